@@ -1,0 +1,137 @@
+"""Committing a decision: state changes and their events in one etcd transaction.
+
+A handler decides a ``Change`` (puts, deletes, the compares its decision depends on, and the
+events it causes) and ``commit`` applies it atomically. Events become outbox keys in the same
+transaction, each carrying its ``seq``; the commit revision is the outbox key's ``mod_revision``,
+so the stream id ``"<revision>-<seq>"`` is fixed at commit and every relay attempt computes the
+same id. There is no "write etcd, then XADD" dual write anywhere.
+
+``retry_on_conflict`` is the bounded, jittered re-read/re-decide loop every CAS writer uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from eventsource.errors import Conflict
+from eventsource.etcd import AsyncEtcd, Compare, Delete, Put
+from eventsource.events import Event
+from eventsource.keys import KeyLayout
+from eventsource.metrics import Metrics
+
+#: etcd's default --max-txn-ops
+MAX_TXN_OPS = 128
+
+
+@dataclass(slots=True)
+class Change:
+    """What one decision writes. Empty changes are not committed."""
+
+    kind: str
+    compares: list[Compare] = field(default_factory=list)
+    puts: list[Put] = field(default_factory=list)
+    deletes: list[Delete] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.puts or self.deletes or self.events)
+
+    def merge(self, other: Change) -> None:
+        self.compares.extend(other.compares)
+        self.puts.extend(other.puts)
+        self.deletes.extend(other.deletes)
+        self.events.extend(other.events)
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    revision: int
+
+
+class Committer:
+    """Commits changes; owns the outbox switch and the transaction metrics."""
+
+    def __init__(
+        self,
+        etcd: AsyncEtcd,
+        layout: KeyLayout,
+        metrics: Metrics,
+        *,
+        outbox_enabled: bool,
+        fence: Callable[[], list[Compare]] | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.layout = layout
+        self.metrics = metrics
+        self.outbox_enabled = outbox_enabled
+        self._fence = fence
+
+    def set_fence(self, fence: Callable[[], list[Compare]] | None) -> None:
+        self._fence = fence
+
+    async def commit(self, change: Change, *, fenced: bool = False) -> Committed:
+        """Apply ``change`` atomically or raise ``Conflict``.
+
+        ``fenced`` adds the leader fence (the compare on this replica's election key), used by
+        every leader-only write.
+        """
+        compares = list(change.compares)
+        if fenced:
+            if self._fence is None:
+                raise Conflict("leader fence requested without leadership")
+            compares.extend(self._fence())
+        ops: list[Put | Delete] = list(change.puts)
+        if self.outbox_enabled:
+            for seq, event in enumerate(change.events):
+                ops.append(
+                    Put(
+                        self.layout.outbox(event.event_id),
+                        event.outbox_record(seq=seq),
+                        category="outbox",
+                    )
+                )
+        ops.extend(change.deletes)
+        if not ops:
+            return Committed(revision=0)
+        if len(ops) + len(compares) > MAX_TXN_OPS:
+            raise ValueError(f"transaction too large: {len(ops)} ops, {len(compares)} compares")
+        result = await self.etcd.txn(compares, ops)
+        if not result.succeeded:
+            self.metrics.etcd_txns.labels(change.kind, "conflict").inc()
+            raise Conflict(f"{change.kind}: a compared key changed", revision=result.revision)
+        self.metrics.etcd_txns.labels(change.kind, "committed").inc()
+        for op in ops:
+            self.metrics.etcd_writes.labels(op.category).inc()
+        return Committed(revision=result.revision)
+
+
+T = TypeVar("T")
+
+
+async def retry_on_conflict(
+    attempt: Callable[[int], Awaitable[T]],
+    *,
+    attempts: int = 6,
+    base_delay: float = 0.005,
+    max_delay: float = 0.2,
+    rng: random.Random | None = None,
+) -> T:
+    """Run ``attempt(n)`` until it does not raise ``Conflict``, at most ``attempts`` times.
+
+    Each attempt must re-read and re-decide. The delay is full jitter over an exponential cap.
+    The last ``Conflict`` propagates.
+    """
+    rand = rng or random.Random()
+    for n in range(attempts):
+        try:
+            return await attempt(n)
+        except Conflict:
+            if n == attempts - 1:
+                raise
+            cap = min(max_delay, base_delay * (2**n))
+            await asyncio.sleep(rand.uniform(0, cap))
+    raise AssertionError("unreachable")

@@ -1,0 +1,378 @@
+"""An asyncio facade over etcd's JSON gateway, via etcd3gw.
+
+Why it exists: etcd3gw is blocking (``requests``), and its helpers hide failures. Every call here
+runs on one bounded, named thread pool, has a timeout both in ``requests`` (so the thread ends) and
+in asyncio, and fails over to the next endpoint of ``ETCD_ENDPOINTS`` on a transport error.
+Errors are translated once into ``eventsource.errors``. The gateway's JSON quirks (int64 as
+strings, proto3 defaults omitted, base64 keys) are handled here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+from etcd3gw import exceptions as etcd_exc
+from etcd3gw.client import Etcd3Client
+from requests.adapters import HTTPAdapter
+
+from eventsource.errors import Compacted, LeaseLost, Unavailable
+from eventsource.keys import prefix_end
+
+log = logging.getLogger("persys.etcd")
+
+
+def b64(data: bytes | str) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One key as etcd reports it."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int = 0
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> KeyValue:
+        return cls(
+            key=unb64(raw.get("key")).decode(),
+            value=unb64(raw.get("value")),
+            create_revision=int(raw.get("create_revision", 0)),
+            mod_revision=int(raw.get("mod_revision", 0)),
+            version=int(raw.get("version", 0)),
+            lease=int(raw.get("lease", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RangeResult:
+    kvs: list[KeyValue]
+    revision: int
+    more: bool
+    count: int
+
+
+# -- transaction building blocks ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """One compare of a transaction. ``target`` is MOD, CREATE, VERSION or LEASE."""
+
+    key: str
+    target: str
+    value: int
+    result: str = "EQUAL"
+
+    @classmethod
+    def mod(cls, key: str, mod_revision: int) -> Compare:
+        """The key is unchanged since it was read (0 = the key must not exist)."""
+        return cls(key, "MOD", mod_revision)
+
+    @classmethod
+    def absent(cls, key: str) -> Compare:
+        return cls(key, "CREATE", 0)
+
+    @classmethod
+    def created_at(cls, key: str, create_revision: int) -> Compare:
+        return cls(key, "CREATE", create_revision)
+
+    @classmethod
+    def lease_is(cls, key: str, lease_id: int) -> Compare:
+        return cls(key, "LEASE", lease_id)
+
+    def to_json(self) -> dict[str, Any]:
+        field_name = {
+            "MOD": "mod_revision",
+            "CREATE": "create_revision",
+            "VERSION": "version",
+            "LEASE": "lease",
+        }[self.target]
+        return {
+            "key": b64(self.key),
+            "result": self.result,
+            "target": self.target,
+            field_name: str(self.value),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int = 0
+    #: the category label of ``persys_scheduler_etcd_writes_total``
+    category: str = "other"
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"key": b64(self.key), "value": b64(self.value)}
+        if self.lease:
+            body["lease"] = str(self.lease)
+        return {"request_put": body}
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    key: str
+    prefix: bool = False
+    category: str = "other"
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"key": b64(self.key)}
+        if self.prefix:
+            body["range_end"] = b64(prefix_end(self.key.encode()))
+        return {"request_delete_range": body}
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    key: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"request_range": {"key": b64(self.key)}}
+
+
+Op = Put | Delete | Get
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    responses: list[dict[str, Any]] = field(default_factory=list)
+
+    def range_kvs(self, index: int) -> list[KeyValue]:
+        """The key-values of the ``index``-th response if it was a range."""
+        body = self.responses[index].get("response_range", {})
+        return [KeyValue.from_json(kv) for kv in body.get("kvs", [])]
+
+
+# -- the client ----------------------------------------------------------------------------
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, str, int]:
+    """``host:port`` or ``http(s)://host:port`` -> (protocol, host, port)."""
+    text = endpoint.strip()
+    protocol = "http"
+    if "://" in text:
+        protocol, text = text.split("://", 1)
+    text = text.rstrip("/")
+    host, _, port = text.rpartition(":")
+    if not host:
+        host, port = text, "2379"
+    return protocol, host.strip("[]"), int(port)
+
+
+class AsyncEtcd:
+    """etcd behind a bounded thread pool, with endpoint failover and uniform errors."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 5.0,
+        max_workers: int = 16,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is required")
+        self.endpoints = [e.strip() for e in endpoints if e.strip()]
+        self.timeout = timeout
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="etcd")
+        self._local = threading.local()
+        self._pool_size = max_workers
+        self._current = 0
+        self._closed = False
+
+    # each worker thread owns its own sessions: requests.Session is not thread-safe
+    def _client(self, index: int) -> Etcd3Client:
+        clients: dict[int, Etcd3Client] | None = getattr(self._local, "clients", None)
+        if clients is None:
+            clients = {}
+            self._local.clients = clients
+        client = clients.get(index)
+        if client is None:
+            protocol, host, port = parse_endpoint(self.endpoints[index])
+            session = requests.Session()
+            adapter = HTTPAdapter(pool_connections=2, pool_maxsize=2)
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
+            client = Etcd3Client(
+                host=host,
+                port=port,
+                protocol=protocol,
+                timeout=self.timeout,
+                api_path="/v3/",
+                session=session,
+            )
+            clients[index] = client
+        return client
+
+    @property
+    def base_url(self) -> str:
+        protocol, host, port = parse_endpoint(self.endpoints[self._current])
+        return f"{protocol}://{host}:{port}"
+
+    def _post_blocking(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        last: Exception | None = None
+        for attempt in range(len(self.endpoints)):
+            index = (self._current + attempt) % len(self.endpoints)
+            client = self._client(index)
+            try:
+                result = client.post(client.get_url(path), json=body)
+            except (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError) as exc:
+                last = exc
+                continue
+            except etcd_exc.Etcd3Exception as exc:
+                detail = str(getattr(exc, "detail_text", "") or exc)
+                if "compacted" in detail:
+                    raise Compacted(0) from exc
+                if "lease not found" in detail:
+                    raise LeaseLost(detail) from exc
+                raise Unavailable(f"etcd {path}: {detail}") from exc
+            except requests.RequestException as exc:
+                last = exc
+                continue
+            if index != self._current:
+                log.warning("etcd endpoint failover to %s", self.endpoints[index])
+                self._current = index
+            return dict(result)
+        raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
+
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One gateway call on the etcd pool, bounded by the client timeout."""
+        if self._closed:
+            raise Unavailable("etcd client closed")
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, self._post_blocking, path, body)
+        deadline = self.timeout * len(self.endpoints) + 1.0
+        try:
+            return await asyncio.wait_for(future, timeout=deadline)
+        except TimeoutError as exc:
+            raise Unavailable(f"etcd {path}: timed out after {deadline:.1f}s") from exc
+
+    # -- key-value --------------------------------------------------------------------------
+    async def get(self, key: str, *, revision: int = 0) -> KeyValue | None:
+        body: dict[str, Any] = {"key": b64(key)}
+        if revision:
+            body["revision"] = str(revision)
+        result = await self.post("/kv/range", body)
+        kvs = result.get("kvs", [])
+        return KeyValue.from_json(kvs[0]) if kvs else None
+
+    async def range_prefix(
+        self,
+        prefix: str,
+        *,
+        start: str | None = None,
+        revision: int = 0,
+        limit: int = 0,
+        keys_only: bool = False,
+        count_only: bool = False,
+    ) -> RangeResult:
+        """One page of a prefix range, optionally pinned to ``revision``."""
+        body: dict[str, Any] = {
+            "key": b64(start if start is not None else prefix),
+            "range_end": b64(prefix_end(prefix.encode())),
+        }
+        if revision:
+            body["revision"] = str(revision)
+        if limit:
+            body["limit"] = str(limit)
+        if keys_only:
+            body["keys_only"] = True
+        if count_only:
+            body["count_only"] = True
+        result = await self.post("/kv/range", body)
+        header_rev = int(result.get("header", {}).get("revision", 0))
+        return RangeResult(
+            kvs=[KeyValue.from_json(kv) for kv in result.get("kvs", [])],
+            revision=header_rev,
+            more=bool(result.get("more", False)),
+            count=int(result.get("count", 0)),
+        )
+
+    async def list_prefix(
+        self, prefix: str, *, revision: int = 0, page_size: int = 2000
+    ) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` at one revision: each page is pinned to the first's."""
+        out: list[KeyValue] = []
+        page = await self.range_prefix(prefix, revision=revision, limit=page_size)
+        pinned = revision or page.revision
+        out.extend(page.kvs)
+        while page.more and page.kvs:
+            start = page.kvs[-1].key + "\0"
+            page = await self.range_prefix(prefix, start=start, revision=pinned, limit=page_size)
+            out.extend(page.kvs)
+        return out, pinned
+
+    async def txn(
+        self,
+        compares: Iterable[Compare],
+        success: Iterable[Op],
+        failure: Iterable[Op] = (),
+    ) -> TxnResult:
+        body = {
+            "compare": [c.to_json() for c in compares],
+            "success": [op.to_json() for op in success],
+            "failure": [op.to_json() for op in failure],
+        }
+        result = await self.post("/kv/txn", body)
+        return TxnResult(
+            succeeded=bool(result.get("succeeded", False)),
+            revision=int(result.get("header", {}).get("revision", 0)),
+            responses=list(result.get("responses", [])),
+        )
+
+    async def current_revision(self) -> int:
+        result = await self.post("/kv/range", {"key": b64("\0"), "count_only": True})
+        return int(result.get("header", {}).get("revision", 0))
+
+    async def compact(self, revision: int) -> None:
+        await self.post("/kv/compaction", {"revision": str(revision), "physical": True})
+
+    # -- leases -----------------------------------------------------------------------------
+    async def lease_grant(self, ttl: int) -> int:
+        result = await self.post("/lease/grant", {"TTL": str(ttl)})
+        return int(result["ID"])
+
+    async def lease_keepalive(self, lease_id: int) -> int:
+        """Renew a lease; returns its TTL. A keepalive is not a Raft write."""
+        result = await self.post("/lease/keepalive", {"ID": str(lease_id)})
+        ttl = int(result.get("result", {}).get("TTL", 0))
+        if ttl <= 0:
+            raise LeaseLost(f"lease {lease_id:x} expired")
+        return ttl
+
+    async def lease_revoke(self, lease_id: int) -> None:
+        try:
+            await self.post("/lease/revoke", {"ID": str(lease_id)})
+        except LeaseLost:
+            return
+
+    async def health(self) -> bool:
+        try:
+            await self.get("/health")
+        except Unavailable:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,105 @@
+"""Prometheus metrics, built per process by the composition root (no module-level registry).
+
+Names follow persys-facts section G where the Go version had them and STYLE.md 5.10 for the new
+ones (the benchmark reads these exact names). No per-node or per-workload labels.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    """Every metric the scheduler exports, on its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        ns, sub = "persys", "scheduler"
+        self.etcd_txns = Counter(
+            "etcd_txns", "etcd transactions by kind and result", ["kind", "result"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.etcd_writes = Counter(
+            "etcd_writes", "etcd keys written by category", ["category"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.agent_rpcs = Counter(
+            "agent_rpcs", "agent RPCs by method and code", ["method", "code"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.agent_rpc_requests = Counter(
+            "agent_rpc_requests", "agent RPCs (Go name)", ["rpc", "code"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.agent_rpc_duration = Histogram(
+            "agent_rpc_duration_seconds", "agent RPC latency", ["rpc", "code"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.grpc_requests = Counter(
+            "grpc_server_requests", "gRPC requests served", ["method", "code"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.grpc_duration = Histogram(
+            "grpc_server_request_duration_seconds", "gRPC request latency", ["method", "code"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.reconcile_cycles = Counter(
+            "reconcile_cycles", "reconcile cycles run", namespace=ns, subsystem=sub, registry=r,
+        )
+        self.reconcile_cycle_seconds = Histogram(
+            "reconcile_cycle_seconds", "reconcile cycle duration",
+            namespace=ns, subsystem=sub, registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        )
+        self.reconciliation_results = Counter(
+            "reconciliation_results", "reconcile actions (Go name)", ["action", "success"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.placement_decision_seconds = Histogram(
+            "placement_decision_seconds", "time of the pure placement function",
+            namespace=ns, subsystem=sub, registry=r,
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+        )
+        self.heartbeats = Counter(
+            "heartbeats", "heartbeats received", namespace=ns, subsystem=sub, registry=r,
+        )
+        self.events_relayed = Counter(
+            "events_relayed", "events appended to the stream by the relay",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.events_dropped = Counter(
+            "events_dropped", "events dropped (outbox overflow)",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.foreign_streams = Counter(
+            "foreign_streams_moved", "foreign event streams renamed aside",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.projection_lag = Gauge(
+            "projection_lag_revisions", "revisions a projection is behind the newest seen",
+            ["projection"], namespace=ns, subsystem=sub, registry=r,
+        )
+        self.watch_restarts = Counter(
+            "watch_restarts", "watch restarts by reason", ["reason"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.leader = Gauge(
+            "leader", "1 while this replica leads the shard", ["shard"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.leader_transitions = Counter(
+            "leader_transitions", "leadership gained or lost", ["shard", "transition"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.nodes_status = Gauge(
+            "nodes_status", "nodes by status", ["status"], namespace=ns, subsystem=sub, registry=r,
+        )
+        self.workloads_status = Gauge(
+            "workloads_status", "workloads by status", ["status"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.state_store_writes = Counter(
+            "state_store_writes", "state writes by category (Go name)", ["category"],
+            namespace=ns, subsystem=sub, registry=r,
+        )

@@ -1,0 +1,227 @@
+"""Pooled channels to the compute agents.
+
+One ``grpc.aio`` channel per node, keyed by node id and endpoint, created on first use and reused
+for every later call (no TLS handshake per RPC). A channel is rebuilt when the node's endpoint
+changes, after a transport failure, or when the certificate files change; it is closed when the
+node leaves and on shutdown. Keepalive pings are at most every 300 s and only with calls in flight,
+because Go agents run grpc-go's default enforcement and answer ``too_many_pings`` otherwise.
+
+Every call carries ``x-persys-node-id`` (so an agent can refuse a call meant for another node),
+``x-persys-instance-id`` and, when this replica leads, ``x-persys-leader-term``; every call has a
+deadline. A leader checks its renew deadline right before each call (``guard``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from eventsource.errors import NotLeader
+from eventsource.metrics import Metrics
+from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger("persys.agents")
+
+KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 300_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 32 * 1024 * 1024),
+]
+
+UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    ca: str
+    cert: str
+    key: str
+
+    def fingerprint(self) -> tuple[float, ...]:
+        stamps = []
+        for path in (self.ca, self.cert, self.key):
+            try:
+                stamps.append(os.stat(path).st_mtime)
+            except OSError:
+                stamps.append(0.0)
+        return tuple(stamps)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        with open(self.ca, "rb") as ca, open(self.cert, "rb") as cert, open(self.key, "rb") as key:
+            return grpc.ssl_channel_credentials(ca.read(), key.read(), cert.read())
+
+
+@dataclass(slots=True)
+class _Entry:
+    endpoint: str
+    channel: grpc.aio.Channel
+    stub: agent_pb2_grpc.AgentServiceStub
+    tls_stamp: tuple[float, ...]
+
+
+class AgentError(Exception):
+    """An agent RPC failed; ``unreachable`` tells transport failures from agent answers."""
+
+    def __init__(self, method: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{method}: {code.name}: {details}")
+        self.method = method
+        self.code = code
+        self.details = details
+
+    @property
+    def unreachable(self) -> bool:
+        return self.code in UNREACHABLE_CODES
+
+    @property
+    def not_found(self) -> bool:
+        return self.code == grpc.StatusCode.NOT_FOUND
+
+
+class AgentPool:
+    """Channels to agents, one per node."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        instance_id: str,
+        rpc_timeout: float,
+        tls: TlsFiles | None,
+        leader_term: Callable[[], int | None] = lambda: None,
+        guard: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.metrics = metrics
+        self.instance_id = instance_id
+        self.rpc_timeout = rpc_timeout
+        self.tls = tls
+        self.leader_term = leader_term
+        self.guard = guard
+        self._entries: dict[str, _Entry] = {}
+        #: channels replaced or dropped, closed at shutdown (close() is a coroutine)
+        self._closing: list[grpc.aio.Channel] = []
+
+    def _channel(self, node_id: str, endpoint: str) -> _Entry:
+        entry = self._entries.get(node_id)
+        stamp = self.tls.fingerprint() if self.tls else ()
+        if entry is not None and (entry.endpoint != endpoint or entry.tls_stamp != stamp):
+            self._drop(node_id)
+            entry = None
+        if entry is None:
+            if self.tls is not None:
+                channel = grpc.aio.secure_channel(
+                    endpoint, self.tls.credentials(), options=KEEPALIVE_OPTIONS
+                )
+            else:
+                channel = grpc.aio.insecure_channel(endpoint, options=KEEPALIVE_OPTIONS)
+            entry = _Entry(endpoint, channel, agent_pb2_grpc.AgentServiceStub(channel), stamp)
+            self._entries[node_id] = entry
+        return entry
+
+    def _drop(self, node_id: str) -> None:
+        entry = self._entries.pop(node_id, None)
+        if entry is not None:
+            # closing is async; the channel is unreferenced and grpc tears it down
+            self._closing.append(entry.channel)
+
+    async def forget(self, node_id: str) -> None:
+        entry = self._entries.pop(node_id, None)
+        if entry is not None:
+            await entry.channel.close()
+
+    def _metadata(self, node_id: str) -> list[tuple[str, str]]:
+        md = [("x-persys-node-id", node_id), ("x-persys-instance-id", self.instance_id)]
+        term = self.leader_term()
+        if term is not None:
+            md.append(("x-persys-leader-term", str(term)))
+        return md
+
+    async def call(
+        self,
+        node_id: str,
+        endpoint: str,
+        method: str,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        leader_only: bool = False,
+    ) -> Any:
+        """One agent RPC with a deadline; raises ``AgentError`` (or ``NotLeader``)."""
+        if leader_only:
+            self.guard()
+        entry = self._channel(node_id, endpoint)
+        rpc = getattr(entry.stub, method)
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            return await rpc(
+                request, timeout=timeout or self.rpc_timeout, metadata=self._metadata(node_id)
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in UNREACHABLE_CODES:
+                self._drop(node_id)
+            raise AgentError(method, code, exc.details() or "") from exc
+        finally:
+            self.metrics.agent_rpcs.labels(method, code.name).inc()
+            self.metrics.agent_rpc_requests.labels(method, code.name).inc()
+            self.metrics.agent_rpc_duration.labels(method, code.name).observe(
+                time.perf_counter() - started
+            )
+
+    async def apply(self, node_id: str, endpoint: str, req: agent_pb2.ApplyWorkloadRequest,
+                    *, timeout: float | None = None,
+                    leader_only: bool = False) -> agent_pb2.ApplyWorkloadResponse:
+        resp: agent_pb2.ApplyWorkloadResponse = await self.call(
+            node_id, endpoint, "ApplyWorkload", req, timeout=timeout, leader_only=leader_only
+        )
+        return resp
+
+    async def delete(self, node_id: str, endpoint: str, workload_id: str,
+                     *, leader_only: bool = False) -> agent_pb2.DeleteWorkloadResponse:
+        resp: agent_pb2.DeleteWorkloadResponse = await self.call(
+            node_id, endpoint, "DeleteWorkload", agent_pb2.DeleteWorkloadRequest(id=workload_id),
+            leader_only=leader_only,
+        )
+        return resp
+
+    async def list_workloads(self, node_id: str, endpoint: str,
+                             *, leader_only: bool = False) -> agent_pb2.ListWorkloadsResponse:
+        resp: agent_pb2.ListWorkloadsResponse = await self.call(
+            node_id, endpoint, "ListWorkloads", agent_pb2.ListWorkloadsRequest(),
+            leader_only=leader_only,
+        )
+        return resp
+
+    async def status(self, node_id: str, endpoint: str, workload_id: str,
+                     *, leader_only: bool = False) -> agent_pb2.GetWorkloadStatusResponse:
+        resp: agent_pb2.GetWorkloadStatusResponse = await self.call(
+            node_id, endpoint, "GetWorkloadStatus",
+            agent_pb2.GetWorkloadStatusRequest(id=workload_id), leader_only=leader_only,
+        )
+        return resp
+
+    async def close(self) -> None:
+        entries, self._entries = self._entries, {}
+        closing, self._closing = list(self._closing), []
+        for entry in entries.values():
+            await entry.channel.close()
+        for channel in closing:
+            await channel.close()
+
+
+def require_leader_deadline(ok: Callable[[], bool]) -> Callable[[], None]:
+    """A guard for ``AgentPool`` that raises ``NotLeader`` when the renew deadline has passed."""
+
+    def guard() -> None:
+        if not ok():
+            raise NotLeader("renew deadline passed: refusing agent RPC")
+
+    return guard

@@ -1,0 +1,263 @@
+"""Configuration: environment variables -> one frozen ``Settings``.
+
+Names and defaults are the Go scheduler's (persys-facts section F) plus the ones
+ARCHITECTURE.md adds. Unlike the Go version, an invalid value is not silently replaced by the
+default: ``load_settings`` raises ``ConfigError`` naming the variable and the reason, and the
+process refuses to start. Durations accept a Go duration string (``1m30s``) or integer seconds.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """An environment variable has an invalid value."""
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {
+    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0,
+}
+
+
+def parse_duration(name: str, text: str) -> float:
+    """Seconds from a Go duration (``90s``, ``1m30s``, ``24h``) or an integer of seconds."""
+    value = text.strip()
+    if re.fullmatch(r"-?\d+", value):
+        return float(int(value))
+    if not value:
+        raise ConfigError(f"{name}: empty duration")
+    pos = 0
+    total = 0.0
+    for match in _DURATION_PART.finditer(value):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        pos = match.end()
+    if pos != len(value):
+        raise ConfigError(f"{name}: {text!r} is not a duration (e.g. 30s, 5m, 24h, or seconds)")
+    return total
+
+
+def default_instance_id() -> str:
+    """``<hostname>-<first 8 chars of a uuid4>``, as the Go version names replicas."""
+    return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything configurable, validated."""
+
+    insecure: bool = False
+    grpc_addr: str = "0.0.0.0"
+    grpc_port: int = 8085
+    metrics_port: int = 8084
+    etcd_endpoints: tuple[str, ...] = ("localhost:2379",)
+    etcd_timeout_s: float = 5.0
+    etcd_root: str = ""
+    domain: str = "persys.local"
+    agents_discovery_domain: str = "agents.persys.cloud"
+    shard_key: str = "genesis"
+    advertise_ip: str = ""
+    advertise_port: int = 0
+    redis_addr: str = ""
+    redis_password: str = ""
+    redis_db: int = 0
+    redis_event_ttl_s: float = 24 * 3600.0
+    redis_event_max_entries: int = 1000
+    event_stream: str = "scheduler:events"
+    event_outbox_max: int = 100_000
+    meter_stream_enabled: bool = True
+    meter_stream: str = "persys:usage:stream"
+    meter_stream_maxlen: int = 100_000
+    tls_ca: str = "/etc/persys/certs/persys_scheduler/ca.pem"
+    tls_cert: str = "/etc/persys/certs/persys_scheduler/persys_scheduler.crt"
+    tls_key: str = "/etc/persys/certs/persys_scheduler/persys_scheduler-key.key"
+    vault_enabled: bool = False
+    agent_tls_enabled: bool = True
+    agent_rpc_timeout_s: float = 10.0
+    agent_apply_timeout_s: float = 45.0
+    agent_vm_apply_timeout_s: float = 240.0
+    agent_delete_timeout_s: float = 60.0
+    agent_status_poll_interval_s: float = 1.0
+    reconcile_interval_s: float = 5.0
+    reconcile_concurrency: int = 64
+    drift_detect_interval_s: float = 300.0
+    node_unavailable_grace_s: float = 180.0
+    reapply_guard_s: float = 45.0
+    heartbeat_interval_s: int = 60
+    node_lease_ttl_s: int = 180
+    node_gc_after_s: float = 24 * 3600.0
+    reservation_ttl_s: float = 90.0
+    ha_mode: str = "failover"
+    shard_count: int = 1
+    shard_index: int = 0
+    leader_lease_ttl_s: int = 15
+    leader_renew_deadline_s: float = 10.0
+    allow_empty_state: bool = False
+    max_spec_bytes: int = 1024 * 1024
+    instance_id: str = field(default_factory=default_instance_id)
+    log_level: str = "info"
+    log_format: str = "json"
+
+    @property
+    def active_active(self) -> bool:
+        return self.ha_mode == "active-active"
+
+    @property
+    def events_enabled(self) -> bool:
+        return bool(self.redis_addr)
+
+    def with_overrides(self, **changes: Any) -> Settings:
+        return replace(self, **changes)
+
+
+class _Reader:
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+
+    def raw(self, name: str) -> str | None:
+        value = self.env.get(name)
+        if value is None or value.strip() == "":
+            return None
+        return value.strip()
+
+    def str(self, name: str, default: str) -> str:
+        value = self.raw(name)
+        return default if value is None else value
+
+    def int(self, name: str, default: int, *, minimum: int | None = None,
+            maximum: int | None = None) -> int:
+        value = self.raw(name)
+        if value is None:
+            return default
+        try:
+            number = int(value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {value!r} is not an integer") from exc
+        if minimum is not None and number < minimum:
+            raise ConfigError(f"{name}: {number} is below the minimum {minimum}")
+        if maximum is not None and number > maximum:
+            raise ConfigError(f"{name}: {number} is above the maximum {maximum}")
+        return number
+
+    def duration(self, name: str, default: float, *, allow_zero: bool = True) -> float:
+        value = self.raw(name)
+        if value is None:
+            return default
+        seconds = parse_duration(name, value)
+        if seconds < 0 or (seconds == 0 and not allow_zero):
+            raise ConfigError(f"{name}: {value!r} must be positive")
+        return seconds
+
+    def bool(self, name: str, default: bool) -> bool:
+        value = self.raw(name)
+        if value is None:
+            return default
+        lowered = value.lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"{name}: {value!r} is not a boolean (true/false)")
+
+
+def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings:
+    """Read and validate every setting; raises ``ConfigError`` naming the variable."""
+    r = _Reader(env)
+    grpc_port = r.int("GRPC_PORT", 8085, minimum=1, maximum=65535)
+    endpoints = tuple(e.strip() for e in r.str("ETCD_ENDPOINTS", "localhost:2379").split(","))
+    if not endpoints or any(not e for e in endpoints):
+        raise ConfigError("ETCD_ENDPOINTS: empty endpoint in the comma-separated list")
+    ha_mode = r.str("SCHEDULER_HA_MODE", "failover").lower()
+    if ha_mode not in ("failover", "active-active"):
+        raise ConfigError(f"SCHEDULER_HA_MODE: {ha_mode!r} is not 'failover' or 'active-active'")
+    shard_count = r.int("SCHEDULER_SHARD_COUNT", 1, minimum=1, maximum=1024)
+    shard_index = r.int("SCHEDULER_SHARD_INDEX", 0, minimum=0)
+    if shard_index >= shard_count:
+        raise ConfigError(
+            f"SCHEDULER_SHARD_INDEX: {shard_index} is outside 0..{shard_count - 1} "
+            f"(SCHEDULER_SHARD_COUNT={shard_count})"
+        )
+    if ha_mode != "active-active" and (shard_count != 1 or shard_index != 0):
+        raise ConfigError(
+            "SCHEDULER_SHARD_COUNT/SCHEDULER_SHARD_INDEX: sharding needs "
+            "SCHEDULER_HA_MODE=active-active"
+        )
+    lease_ttl = r.int("SCHEDULER_LEADER_LEASE_TTL", 15, minimum=2, maximum=3600)
+    renew = r.duration("SCHEDULER_LEADER_RENEW_DEADLINE", lease_ttl * 2 / 3, allow_zero=False)
+    if renew >= lease_ttl:
+        raise ConfigError(
+            f"SCHEDULER_LEADER_RENEW_DEADLINE: {renew}s must be shorter than "
+            f"SCHEDULER_LEADER_LEASE_TTL ({lease_ttl}s)"
+        )
+    settings = Settings(
+        insecure=insecure,
+        grpc_addr=r.str("PERSYS_GRPC_ADDR", "0.0.0.0"),
+        grpc_port=grpc_port,
+        metrics_port=r.int("METRICS_PORT", 8084, minimum=0, maximum=65535),
+        etcd_endpoints=endpoints,
+        etcd_timeout_s=r.duration("SCHEDULER_ETCD_TIMEOUT", 5.0, allow_zero=False),
+        etcd_root=r.str("SCHEDULER_ETCD_ROOT", ""),
+        domain=r.str("DOMAIN", "persys.local"),
+        agents_discovery_domain=r.str("AGENTS_DISCOVERY_DOMAIN", "agents.persys.cloud"),
+        shard_key=r.str("SCHEDULER_SHARD_KEY", "genesis"),
+        advertise_ip=r.str("SCHEDULER_ADVERTISE_IP", ""),
+        advertise_port=r.int("SCHEDULER_ADVERTISE_PORT", grpc_port, minimum=1, maximum=65535),
+        redis_addr=r.str("REDIS_ADDR", ""),
+        redis_password=r.str("REDIS_PASSWORD", ""),
+        redis_db=r.int("REDIS_DB", 0, minimum=0),
+        redis_event_ttl_s=r.duration("REDIS_EVENT_TTL", 24 * 3600.0, allow_zero=False),
+        redis_event_max_entries=r.int("REDIS_EVENT_MAX_ENTRIES", 1000, minimum=1),
+        event_stream=r.str("SCHEDULER_EVENT_STREAM", "scheduler:events"),
+        event_outbox_max=r.int("SCHEDULER_EVENT_OUTBOX_MAX", 100_000, minimum=1),
+        meter_stream_enabled=r.bool("METER_REDIS_STREAM_ENABLED", True),
+        meter_stream=r.str("METER_REDIS_STREAM", "persys:usage:stream"),
+        meter_stream_maxlen=r.int("METER_REDIS_STREAM_MAXLEN", 100_000, minimum=1),
+        tls_ca=r.str("PERSYS_TLS_CA", Settings.tls_ca),
+        tls_cert=r.str("PERSYS_TLS_CERT", Settings.tls_cert),
+        tls_key=r.str("PERSYS_TLS_KEY", Settings.tls_key),
+        vault_enabled=r.bool("PERSYS_VAULT_ENABLED", False),
+        agent_tls_enabled=r.bool("SCHEDULER_AGENT_TLS_ENABLED", not insecure),
+        agent_rpc_timeout_s=r.duration("SCHEDULER_AGENT_RPC_TIMEOUT", 10.0, allow_zero=False),
+        agent_apply_timeout_s=r.duration("SCHEDULER_AGENT_APPLY_TIMEOUT", 45.0),
+        agent_vm_apply_timeout_s=r.duration("SCHEDULER_AGENT_VM_APPLY_TIMEOUT", 240.0),
+        agent_delete_timeout_s=r.duration("SCHEDULER_AGENT_DELETE_TIMEOUT", 60.0),
+        agent_status_poll_interval_s=r.duration("SCHEDULER_AGENT_STATUS_POLL_INTERVAL", 1.0),
+        reconcile_interval_s=r.duration("SCHEDULER_RECONCILE_INTERVAL", 5.0, allow_zero=False),
+        reconcile_concurrency=r.int("SCHEDULER_RECONCILE_CONCURRENCY", 64, minimum=1,
+                                    maximum=4096),
+        drift_detect_interval_s=r.duration("SCHEDULER_DRIFT_DETECT_INTERVAL", 300.0),
+        node_unavailable_grace_s=r.duration("SCHEDULER_NODE_UNAVAILABLE_GRACE", 180.0),
+        reapply_guard_s=r.duration("SCHEDULER_REAPPLY_GUARD", 45.0),
+        heartbeat_interval_s=r.int("SCHEDULER_HEARTBEAT_INTERVAL", 60, minimum=1),
+        node_lease_ttl_s=r.int("SCHEDULER_NODE_LEASE_TTL", 180, minimum=2),
+        node_gc_after_s=r.duration("SCHEDULER_NODE_GC_AFTER", 24 * 3600.0),
+        reservation_ttl_s=r.duration("SCHEDULER_RESERVATION_TTL", 90.0),
+        ha_mode=ha_mode,
+        shard_count=shard_count,
+        shard_index=shard_index,
+        leader_lease_ttl_s=lease_ttl,
+        leader_renew_deadline_s=renew,
+        allow_empty_state=r.bool("SCHEDULER_ALLOW_EMPTY_STATE", False),
+        instance_id=r.str("SCHEDULER_INSTANCE_ID", "") or default_instance_id(),
+        log_level=r.str("LOG_LEVEL", "info").lower(),
+        log_format=r.str("LOG_FORMAT", "json").lower(),
+    )
+    if settings.node_lease_ttl_s <= settings.heartbeat_interval_s:
+        raise ConfigError(
+            f"SCHEDULER_NODE_LEASE_TTL: {settings.node_lease_ttl_s}s must exceed "
+            f"SCHEDULER_HEARTBEAT_INTERVAL ({settings.heartbeat_interval_s}s)"
+        )
+    if not insecure:
+        for name, path in (("PERSYS_TLS_CA", settings.tls_ca), ("PERSYS_TLS_CERT",
+                           settings.tls_cert), ("PERSYS_TLS_KEY", settings.tls_key)):
+            if not path:
+                raise ConfigError(f"{name}: required unless -insecure")
+    return settings

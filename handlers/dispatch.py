@@ -1,0 +1,204 @@
+"""Agent calls that follow a commit: the apply after a placement, the delete after a
+delete request, and the finalisation that removes a deleted workload's state.
+
+Commands answer once their state is committed; the agent call runs afterwards in a task this
+dispatcher owns, with bounded concurrency. If this process dies in between, nothing is lost: the
+committed state says what should run, and the leader's reconcile loop drives it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from typing import Any
+
+from eventsource.clock import Clock
+from eventsource.commit import Committer, retry_on_conflict
+from eventsource.errors import Conflict, NotLeader, StoreError
+from eventsource.events import Event, rfc3339
+from eventsource.keys import KeyLayout
+from eventsource.records import WorkloadSpec, WorkloadStatus
+from handlers.agents import AgentError, AgentPool
+from handlers.specs import agent_apply_request
+from handlers.state import NotFound, StateWriter
+from projections.cluster import ClusterProjection
+
+log = logging.getLogger("persys.dispatch")
+
+AGENT_STATE = {1: "Pending", 2: "Running", 3: "Stopped", 4: "Failed", 5: "Unknown"}
+
+
+class Dispatcher:
+    """Runs post-commit agent calls in owned, bounded tasks."""
+
+    def __init__(
+        self,
+        *,
+        pool: AgentPool,
+        cluster: ClusterProjection,
+        committer: Committer,
+        writer: StateWriter,
+        clock: Clock,
+        layout: KeyLayout,
+        concurrency: int = 64,
+        apply_timeout: float = 45.0,
+    ) -> None:
+        self.pool = pool
+        self.cluster = cluster
+        self.committer = committer
+        self.writer = writer
+        self.clock = clock
+        self.layout = layout
+        self.apply_timeout = apply_timeout
+        self._sem = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def endpoint(self, node_id: str) -> str | None:
+        item = self.cluster.nodes.get(node_id)
+        return item.value.endpoint if item is not None else None
+
+    # -- apply ------------------------------------------------------------------------------
+    def apply(self, spec: WorkloadSpec, metadata: dict[str, Any], node_id: str,
+              desired: str) -> None:
+        self._spawn(self._apply(copy.deepcopy(spec), dict(metadata), node_id, desired))
+
+    async def _apply(self, spec: WorkloadSpec, metadata: dict[str, Any], node_id: str,
+                     desired: str) -> None:
+        async with self._sem:
+            endpoint = self.endpoint(node_id)
+            if endpoint is None:
+                return
+            request = agent_apply_request(spec, metadata, desired)
+            try:
+                response = await self.pool.apply(node_id, endpoint, request,
+                                                 timeout=self.apply_timeout)
+            except AgentError as exc:
+                log.warning("agent apply failed workload_id=%s node_id=%s error=%s",
+                            spec.id, node_id, exc)
+                await self._record_apply(spec, node_id, error=str(exc))
+                return
+            except NotLeader:
+                return
+            if not response.applied and not response.skipped:
+                await self._record_apply(spec, node_id, error=response.message or "not applied")
+                return
+            await self._record_apply(spec, node_id, response_state=response.status.actual_state,
+                                     response_meta=dict(response.status.metadata))
+
+    async def _record_apply(self, spec: WorkloadSpec, node_id: str, *, error: str = "",
+                            response_state: int = 0,
+                            response_meta: dict[str, str] | None = None) -> None:
+        now = rfc3339(self.clock.now())
+
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            if status.node_id != node_id:
+                return None
+            if error:
+                status.metadata["scheduler_last_error"] = error
+                status.metadata["last_action"] = "ApplyFailed"
+                return []
+            status.metadata.update(response_meta or {})
+            status.metadata["lastApplyRequestAt"] = now
+            status.metadata["lastApplyRevision"] = spec.revision_id
+            status.metadata["last_action"] = "ApplyAcceptedAsync"
+            state = AGENT_STATE.get(response_state, "")
+            if state and status.status in ("Scheduled", "Updating", "Pending", ""):
+                status.status = state
+                status.status_info.actual_state = state
+                status.status_info.last_updated = now
+            return []
+
+        try:
+            await self.writer.update_status(spec.id, mutate, kind="dispatch")
+        except (NotFound, Conflict, StoreError) as exc:
+            log.info("apply outcome not recorded workload_id=%s: %s", spec.id, exc)
+
+    # -- delete -----------------------------------------------------------------------------
+    def delete(self, workload_id: str, node_id: str) -> None:
+        self._spawn(self._delete(workload_id, node_id))
+
+    async def _delete(self, workload_id: str, node_id: str) -> None:
+        async with self._sem:
+            endpoint = self.endpoint(node_id) if node_id else None
+            if endpoint is not None:
+                try:
+                    await self.pool.delete(node_id, endpoint, workload_id)
+                except AgentError as exc:
+                    if not (exc.not_found or exc.unreachable):
+                        log.warning("agent delete failed workload_id=%s node_id=%s error=%s",
+                                    workload_id, node_id, exc)
+                        return
+                    if exc.unreachable and self.cluster.alive.get(node_id) is not None:
+                        # the node is alive but did not answer: keep Deleting for reconcile
+                        return
+                except NotLeader:
+                    return
+            try:
+                await self.finalize(workload_id)
+            except StoreError as exc:
+                log.warning("delete finalisation failed workload_id=%s: %s", workload_id, exc)
+
+    def forget_on(self, workload_id: str, node_id: str) -> None:
+        """Best-effort removal of a moved workload from the node it left."""
+        self._spawn(self._forget_on(workload_id, node_id))
+
+    async def _forget_on(self, workload_id: str, node_id: str) -> None:
+        async with self._sem:
+            endpoint = self.endpoint(node_id)
+            if endpoint is None:
+                return
+            try:
+                await self.pool.delete(node_id, endpoint, workload_id)
+            except (AgentError, NotLeader) as exc:
+                log.info("old copy not removed workload_id=%s node_id=%s: %s (drift cleans up)",
+                         workload_id, node_id, exc)
+
+    async def finalize(self, workload_id: str) -> bool:
+        """Remove a deleted workload's state and release its allocation; True when removed."""
+        from handlers.workloads import delete_workload_change
+
+        async def attempt(n: int) -> bool:
+            spec_item = self.cluster.specs.get(workload_id)
+            status_item = self.cluster.statuses.get(workload_id)
+            if spec_item is None:
+                return False
+            if spec_item.value.desired_state != "Deleted":
+                return False
+            node_id = status_item.value.node_id if status_item else ""
+            allocation = None
+            if node_id:
+                alloc_item = self.cluster.allocations.get(node_id)
+                if alloc_item is not None and workload_id in alloc_item.value.workloads:
+                    record = copy.deepcopy(alloc_item.value)
+                    record.remove(workload_id)
+                    allocation = (node_id, record, alloc_item.mod_revision)
+            change = delete_workload_change(
+                self.layout, workload_id, spec_rev=spec_item.mod_revision,
+                status_rev=status_item.mod_revision if status_item else 0,
+                allocation=allocation,
+                event=Event(type="WorkloadDeleted", workload_id=workload_id, node_id=node_id,
+                            reason="Workload state removed", timestamp=self.clock.now()),
+            )
+            try:
+                await self.committer.commit(change)
+            except Conflict as exc:
+                if exc.revision:
+                    await self.cluster.wait_for(exc.revision,
+                                                which=("specs", "statuses", "allocations"))
+                raise
+            return True
+
+        return await retry_on_conflict(attempt)
+
+    async def aclose(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,68 @@
+"""The plaintext HTTP endpoint on METRICS_PORT: ``/metrics`` and our own ``/health``.
+
+A few lines of asyncio instead of the Prometheus exporter's catch-all server, so ``/health`` is
+ours (ARCHITECTURE 6: string values for status, mode, reason, modeChangedAt, instanceId, haMode,
+shardIndex, shardCount, leader, relay) and everything runs on the one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+log = logging.getLogger("persys.http")
+
+
+class HttpEndpoint:
+    def __init__(self, registry: CollectorRegistry, health: Callable[[], dict[str, str]]) -> None:
+        self.registry = registry
+        self.health = health
+        self._server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(10):
+                request_line = await reader.readline()
+                while True:
+                    line = await reader.readline()
+                    if line in (b"\r\n", b"\n", b""):
+                        break
+            parts = request_line.decode("latin-1").split()
+            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else "/"
+            if path == "/health":
+                status, ctype, body = 200, "application/json", json.dumps(self.health()).encode()
+            elif path == "/metrics":
+                status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+            else:
+                status, ctype, body = 404, "text/plain", b"not found\n"
+            head = (f"HTTP/1.1 {status} {'OK' if status == 200 else 'Not Found'}\r\n"
+                    f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n").encode()
+            writer.write(head + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError, UnicodeDecodeError) as exc:
+            log.debug("http request dropped: %s", exc)
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except ConnectionError:
+                pass
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None

@@ -1,0 +1,452 @@
+"""Node commands: RegisterNode, Heartbeat and the operator controls.
+
+Liveness without a write per heartbeat: each node has an etcd lease attached to
+``/persys/scheduler/alive/<node>``. A heartbeat, on whichever replica receives it, renews that
+lease (a keepalive is not a Raft write); when it expires etcd deletes the key and the leader's
+node monitor sees the delete. The node record is rewritten only when something in it changes
+(registration data, a NotReady -> Ready transition, an operator action). Workload states reported
+in heartbeats are written only when they differ from the stored status, and only for workloads
+assigned to the reporting node: one node's agent cannot change another node's workloads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, timedelta
+from typing import Any
+
+from eventsource.clock import Clock
+from eventsource.commit import Change, Committer, retry_on_conflict
+from eventsource.errors import Conflict, LeaseLost, StoreError
+from eventsource.etcd import AsyncEtcd, Compare, Put
+from eventsource.events import Event, rfc3339
+from eventsource.keys import KeyLayout
+from eventsource.metrics import Metrics
+from eventsource.records import Node, Resources, Taint, WorkloadStatus, encode
+from handlers.config import Settings
+from handlers.modes import ModeState
+from handlers.placement import canonical_driver, canonical_type
+from handlers.specs import InvalidSpec, validate_id
+from handlers.state import NotFound, StateWriter
+from handlers.usage import UsageSink
+from handlers.workloads import Relocator
+from projections.cluster import ClusterProjection
+from proto.persys.control.v1 import control_pb2
+
+log = logging.getLogger("persys.nodes")
+
+#: bound on the status record's log tail (the Go version grew it forever, bug I3)
+LOG_TAIL_BYTES = 4096
+READY = "Ready"
+NOT_READY = "NotReady"
+DRAINING = "Draining"
+STICKY_STATUSES = frozenset({DRAINING, "Drained"})
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterOutcome:
+    accepted: bool
+    reason: str
+    interval_s: int = 0
+    lease_expires_at: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatOutcome:
+    known: bool
+    drain: bool = False
+    lease_expires_at: Any = None
+
+
+def normalize_types(types: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for t in types:
+        c = canonical_type(t)
+        if c and c not in out:
+            out.append(c)
+    return out
+
+
+def normalize_drivers(drivers: Sequence[str]) -> list[str]:
+    out = ["local"]
+    for d in drivers:
+        c = canonical_driver(d)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _identity(node: Node) -> bytes:
+    """The node record without the fields that change on every registration."""
+    clone = copy.deepcopy(node)
+    clone.timestamp = ""
+    clone.last_heartbeat = ""
+    clone.status_updated_at = ""
+    return encode(clone)
+
+
+def map_agent_state(state: str) -> str:
+    s = state.strip().lower()
+    return {"running": "Running", "stopped": "Stopped", "failed": "Failed", "pending": "Pending"
+            }.get(s, "Unknown")
+
+
+class NodeCommands:
+    """The node aggregate's command handlers."""
+
+    def __init__(
+        self,
+        *,
+        etcd: AsyncEtcd,
+        cluster: ClusterProjection,
+        committer: Committer,
+        writer: StateWriter,
+        relocator: Relocator,
+        usage: UsageSink,
+        mode: ModeState,
+        clock: Clock,
+        layout: KeyLayout,
+        settings: Settings,
+        metrics: Metrics,
+    ) -> None:
+        self.etcd = etcd
+        self.cluster = cluster
+        self.committer = committer
+        self.writer = writer
+        self.relocator = relocator
+        self.usage = usage
+        self.mode = mode
+        self.clock = clock
+        self.layout = layout
+        self.settings = settings
+        self.metrics = metrics
+
+    # -- RegisterNode -----------------------------------------------------------------------
+    async def register(self, req: control_pb2.RegisterNodeRequest) -> RegisterOutcome:
+        try:
+            node_id = validate_id("node_id", req.node_id)
+            endpoint = req.grpc_endpoint.strip()
+            host, sep, port_text = endpoint.rpartition(":")
+            if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                raise InvalidSpec("grpc_endpoint", "required as host:port")
+            caps = req.capabilities
+            if caps.cpu_total_millicores < 0:
+                raise InvalidSpec("capabilities.cpu_total_millicores", "must not be negative")
+            if caps.memory_total_mb < 0:
+                raise InvalidSpec("capabilities.memory_total_mb", "must not be negative")
+        except InvalidSpec as exc:
+            return RegisterOutcome(False, str(exc))
+        if not self.mode.writable:
+            return RegisterOutcome(False, f"scheduler {self.mode.mode} mode: {self.mode.reason}")
+        now = self.clock.now()
+        stamp = rfc3339(now)
+
+        async def attempt(n: int) -> bool:
+            item = self.cluster.nodes.get(node_id)
+            previous = item.value if item else None
+            node = copy.deepcopy(previous) if previous else Node(node_id=node_id)
+            node.ip_address = host.strip("[]")
+            node.agent_port = int(port_text)
+            node.agent_grpc_port = int(port_text)
+            node.agent_endpoint = endpoint
+            node.username = node.username or "agent"
+            node.hostname = node.hostname or node_id
+            node.os_name = node.os_name or "linux"
+            node.kernel_version = node.kernel_version or "unknown"
+            node.total_cpu = caps.cpu_total_millicores / 1000.0
+            node.total_memory = int(caps.memory_total_mb)
+            node.available_cpu = node.total_cpu
+            node.available_memory = node.total_memory
+            node.resources = node.resources or Resources()
+            node.supported_workload_types = normalize_types(caps.supported_workload_types)
+            node.supported_storage_drivers = normalize_drivers(caps.supported_storage_drivers)
+            labels = dict(node.labels)
+            labels.update(dict(req.labels))
+            labels["scheduler_shard"] = self.settings.shard_key
+            node.labels = labels
+            node.domain_name = f"{node_id}.{self.settings.domain}"
+            joined = previous is None or previous.status == NOT_READY
+            if node.status not in STICKY_STATUSES:
+                if node.status != READY:
+                    node.status_reason = "registered"
+                    node.status_updated_by = "agent"
+                    node.status_updated_at = stamp
+                node.status = READY
+            changed = previous is None or _identity(previous) != _identity(node) or joined
+            change = Change(kind="node")
+            if changed:
+                node.timestamp = stamp
+                node.last_heartbeat = stamp
+                change.compares.append(
+                    Compare.mod(self.layout.node(node_id), item.mod_revision if item else 0))
+                change.puts += [
+                    Put(self.layout.node(node_id), encode(node), category="node"),
+                    Put(self.layout.node_status(node_id), node.status.encode(), category="node"),
+                    Put(self.layout.skydns(self.settings.agents_discovery_domain,
+                                           self.settings.shard_key, node_id),
+                        json.dumps({"host": node.ip_address, "ttl": 300}).encode(),
+                        category="dns"),
+                ]
+            if joined:
+                change.events.append(Event(
+                    type="NodeJoined", node_id=node_id,
+                    reason="node registered" if previous is None else "node re-registered",
+                    details={"status": node.status, "agent_endpoint": endpoint,
+                             "scheduler_shard": self.settings.shard_key},
+                    timestamp=now))
+            await self._ensure_alive(node_id, change)
+            if not change.is_empty():
+                try:
+                    await self.committer.commit(change)
+                except Conflict as exc:
+                    if exc.revision:
+                        await self.cluster.wait_for(exc.revision, which=("nodes", "alive"))
+                    raise
+            return True
+
+        try:
+            await retry_on_conflict(attempt)
+        except Conflict:
+            return RegisterOutcome(False, "too many concurrent updates of this node; retry")
+        except StoreError as exc:
+            return RegisterOutcome(False, f"registration not stored: {exc}")
+        return RegisterOutcome(
+            True, "registered", self.settings.heartbeat_interval_s,
+            now + timedelta(seconds=self.settings.node_lease_ttl_s),
+        )
+
+    async def _ensure_alive(self, node_id: str, change: Change) -> None:
+        """Renew the node's liveness lease, or add a new lease + key to ``change``."""
+        item = self.cluster.alive.get(node_id)
+        if item is not None and item.lease:
+            try:
+                await self.etcd.lease_keepalive(item.lease)
+                return
+            except LeaseLost:
+                pass
+        lease = await self.etcd.lease_grant(self.settings.node_lease_ttl_s)
+        change.compares.append(
+            Compare.mod(self.layout.alive(node_id), item.mod_revision if item else 0))
+        change.puts.append(Put(self.layout.alive(node_id), self.settings.instance_id.encode(),
+                               lease=lease, category="other"))
+
+    # -- Heartbeat --------------------------------------------------------------------------
+    async def heartbeat(self, req: control_pb2.HeartbeatRequest) -> HeartbeatOutcome:
+        node_id = req.node_id.strip()
+        self.metrics.heartbeats.inc()
+        item = self.cluster.nodes.get(node_id)
+        if item is None:
+            return HeartbeatOutcome(known=False)
+        now = self.clock.now()
+        lease_until = now + timedelta(seconds=self.settings.node_lease_ttl_s)
+        if not self.mode.writable:
+            # keep the fleet as it is: an etcd blip must not make agents stop their workloads
+            return HeartbeatOutcome(True, drain=False, lease_expires_at=lease_until)
+        try:
+            change = Change(kind="liveness")
+            await self._ensure_alive(node_id, change)
+            if not change.is_empty():
+                await self.committer.commit(change)
+        except (Conflict, StoreError) as exc:
+            log.warning("liveness not renewed node_id=%s: %s", node_id, exc)
+        node = item.value
+        if node.status not in (READY, *STICKY_STATUSES) and node.status != "":
+            await self._mark_ready(node_id, node.status, now)
+        await self._apply_statuses(node_id, req, now)
+        drain = self.cluster.nodes.get(node_id) is not None and (
+            self.cluster.nodes.get(node_id).value.status == DRAINING  # type: ignore[union-attr]
+        )
+        return HeartbeatOutcome(True, drain=drain, lease_expires_at=lease_until)
+
+    async def _mark_ready(self, node_id: str, old_status: str, now: Any) -> None:
+        stamp = rfc3339(now)
+
+        def mutate(node: Node) -> list[Event] | None:
+            if node.status in (READY, *STICKY_STATUSES):
+                return None
+            previous = node.status
+            node.status = READY
+            node.status_reason = f"status transition {previous} -> Ready via heartbeat"
+            node.status_updated_by = "heartbeat"
+            node.status_updated_at = stamp
+            node.last_heartbeat = stamp
+            return [Event(type="NodeReady", node_id=node_id, reason=node.status_reason,
+                          details={"source": "heartbeat"}, timestamp=now)]
+
+        try:
+            await self.writer.update_node(node_id, mutate)
+        except (NotFound, Conflict, StoreError) as exc:
+            log.warning("node not marked ready node_id=%s: %s", node_id, exc)
+
+    async def _apply_statuses(self, node_id: str, req: control_pb2.HeartbeatRequest,
+                              now: Any) -> None:
+        stamp = rfc3339(now)
+        usages: dict[str, dict[str, Any]] = {}
+        revisions: dict[str, str] = {}
+        for ws in req.workload_statuses:
+            wid = ws.workload_id
+            item = self.cluster.statuses.get(wid)
+            if item is None or item.value.node_id != node_id:
+                continue  # unknown, or not this node's: never act for another node
+            if ws.HasField("usage"):
+                usages[wid] = _usage_dict(ws.usage)
+            state = map_agent_state(ws.state)
+            current = item.value
+            if current.status in ("Deleting", "Deleted") or (
+                current.status == state and not ws.message
+            ):
+                continue
+            if current.status == state and ws.message and ws.message in current.logs[-512:]:
+                continue
+            await self._update_workload_state(wid, node_id, state, ws, stamp)
+        for u in req.workload_usage:
+            usages.setdefault(u.workload_id, _usage_dict(u))
+        for wid in usages:
+            spec = self.cluster.specs.get(wid)
+            if spec is not None:
+                revisions[wid] = spec.value.revision_id
+        if usages:
+            await self.usage.record(node_id, usages, revisions, stamp)
+
+    async def _update_workload_state(self, workload_id: str, node_id: str, state: str,
+                                     ws: control_pb2.WorkloadStatus, stamp: str) -> None:
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            if status.node_id != node_id or status.status in ("Deleting", "Deleted"):
+                return None
+            changed = False
+            if status.status != state:
+                status.status = state
+                status.status_info.actual_state = state
+                status.status_info.last_updated = stamp
+                changed = True
+            if ws.message and ws.message not in status.logs[-512:]:
+                line = f"[{stamp}] {ws.message}\n"
+                status.logs = (status.logs + line)[-LOG_TAIL_BYTES:]
+                changed = True
+            if state == "Failed" and ws.message:
+                status.metadata["last_runtime_error"] = ws.message
+            return [] if changed else None
+
+        try:
+            await self.writer.update_status(workload_id, mutate, kind="heartbeat")
+        except (NotFound, Conflict, StoreError) as exc:
+            log.info("workload state not recorded workload_id=%s: %s", workload_id, exc)
+
+    # -- operator controls ------------------------------------------------------------------
+    async def _control(self, node_id: str, mutate: Any) -> Node:
+        node, _ = await self.writer.update_node(node_id, mutate, kind="node-control")
+        return node
+
+    async def drain(self, node_id: str, reason: str) -> tuple[Node, int]:
+        now = self.clock.now()
+        stamp = rfc3339(now)
+
+        def mutate(node: Node) -> list[Event] | None:
+            if node.status == DRAINING:
+                return None
+            node.status = DRAINING
+            node.status_reason = reason or "node drain requested"
+            node.status_updated_by = "operator"
+            node.status_updated_at = stamp
+            return [Event(type="NodeDraining", node_id=node_id, reason=node.status_reason,
+                          details={"source": "operator"}, timestamp=now)]
+
+        node = await self._control(node_id, mutate)
+        moved = 0
+        for workload_id in sorted(self.cluster.workload_ids_on(node_id)):
+            outcome = await self.relocator.relocate(workload_id, from_node=node_id,
+                                                    event_type="Relocated")
+            moved += outcome == "moved"
+        return node, moved
+
+    async def undrain(self, node_id: str, reason: str) -> Node:
+        now = self.clock.now()
+        stamp = rfc3339(now)
+
+        def mutate(node: Node) -> list[Event] | None:
+            if node.status == READY:
+                return None
+            node.status = READY
+            node.status_reason = reason or "node returned to service"
+            node.status_updated_by = "operator"
+            node.status_updated_at = stamp
+            return [Event(type="NodeReady", node_id=node_id, reason=node.status_reason,
+                          details={"source": "operator"}, timestamp=now)]
+
+        return await self._control(node_id, mutate)
+
+    async def taint(self, node_id: str, key: str, value: str, effect: str) -> Node:
+        effect = effect or "NoSchedule"
+        now = self.clock.now()
+
+        def mutate(node: Node) -> list[Event] | None:
+            for t in node.taints:
+                if t.key == key and t.effect == effect:
+                    if t.value == value:
+                        return None
+                    t.value = value
+                    break
+            else:
+                node.taints.append(Taint(key=key, value=value, effect=effect))
+            node.status_updated_at = rfc3339(now)
+            return [Event(type="NodeTainted", node_id=node_id, reason=f"taint {key}:{effect}",
+                          details={"source": "operator", "key": key, "effect": effect,
+                                   "value": value}, timestamp=now)]
+
+        return await self._control(node_id, mutate)
+
+    async def untaint(self, node_id: str, key: str, effect: str) -> Node:
+        now = self.clock.now()
+
+        def mutate(node: Node) -> list[Event] | None:
+            kept = [t for t in node.taints if not (t.key == key and (not effect
+                                                                     or t.effect == effect))]
+            if len(kept) == len(node.taints):
+                return None
+            node.taints = kept
+            return [Event(type="NodeUntainted", node_id=node_id, reason=f"untaint {key}",
+                          details={"source": "operator", "key": key, "effect": effect},
+                          timestamp=now)]
+
+        return await self._control(node_id, mutate)
+
+    async def set_label(self, node_id: str, key: str, value: str) -> Node:
+        now = self.clock.now()
+
+        def mutate(node: Node) -> list[Event] | None:
+            if node.labels.get(key) == value:
+                return None
+            node.labels[key] = value
+            return [Event(type="NodeLabelSet", node_id=node_id, reason=f"label {key}={value}",
+                          details={"source": "operator", "key": key, "value": value},
+                          timestamp=now)]
+
+        return await self._control(node_id, mutate)
+
+    async def delete_label(self, node_id: str, key: str) -> Node:
+        now = self.clock.now()
+
+        def mutate(node: Node) -> list[Event] | None:
+            if key not in node.labels:
+                return None
+            del node.labels[key]
+            return [Event(type="NodeLabelDeleted", node_id=node_id, reason=f"label {key} removed",
+                          details={"source": "operator", "key": key}, timestamp=now)]
+
+        return await self._control(node_id, mutate)
+
+
+def _usage_dict(u: control_pb2.WorkloadUsageSnapshot) -> dict[str, Any]:
+    return {
+        "workloadId": u.workload_id, "type": u.type, "cpuPercent": u.cpu_percent,
+        "memoryBytes": u.memory_bytes, "diskReadBytes": u.disk_read_bytes,
+        "diskWriteBytes": u.disk_write_bytes, "netRxBytes": u.net_rx_bytes,
+        "netTxBytes": u.net_tx_bytes,
+        "collectedAt": rfc3339(u.collected_at.ToDatetime(tzinfo=UTC))
+        if u.HasField("collected_at") else "",
+        "source": u.source,
+    }

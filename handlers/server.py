@@ -1,0 +1,259 @@
+"""The composition root: settings -> objects -> owned tasks; and the shutdown order.
+
+Everything the process runs is built here and passed down (no module-level clients, caches or
+registries). Every long-running task is started through ``TaskOwner`` and cancelled and awaited at
+shutdown, in this order: stop accepting RPCs -> stop leader loops and the relay -> revoke leases
+-> stop projections and the tailer -> close agent channels -> close Redis -> close etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from eventsource.clock import Clock, SystemClock
+from eventsource.commit import Committer
+from eventsource.etcd import AsyncEtcd
+from eventsource.keys import KeyLayout
+from eventsource.metrics import Metrics
+from eventsource.stream import RedisEventLog, StreamTailer, writer_client
+from handlers.agents import AgentPool, TlsFiles
+from handlers.config import Settings
+from handlers.dispatch import Dispatcher
+from handlers.events import EventService
+from handlers.http import HttpEndpoint
+from handlers.modes import ModeState
+from handlers.nodes import NodeCommands
+from handlers.placer import Placer
+from handlers.servicer import ControlServicer
+from handlers.state import StateWriter
+from handlers.supervisor import ModeSupervisor
+from handlers.usage import UsageSink
+from handlers.workloads import Relocator, WorkloadCommands
+from projections.cluster import ClusterProjection
+from proto.persys.control.v1 import control_pb2, control_pb2_grpc
+
+log = logging.getLogger("persys.server")
+
+
+class TaskOwner:
+    """Owns named eternal tasks: a failure is logged and the task restarted with backoff."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, name: str, factory: Any) -> None:
+        self._tasks[name] = asyncio.get_running_loop().create_task(
+            self._guard(name, factory), name=name)
+
+    async def _guard(self, name: str, factory: Any) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                coro: Coroutine[Any, Any, None] = factory()
+                await coro
+                log.warning("task %s returned; restarting", name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("task %s failed; restarting in %.1fs", name, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
+
+    async def stop(self, *names: str) -> None:
+        targets = [self._tasks.pop(n) for n in (names or list(self._tasks)) if n in self._tasks]
+        for task in targets:
+            task.cancel()
+        if targets:
+            await asyncio.gather(*targets, return_exceptions=True)
+
+
+class Scheduler:
+    """One scheduler replica."""
+
+    def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.metrics = Metrics()
+        self.layout = KeyLayout(settings.etcd_root)
+        self.etcd = AsyncEtcd(settings.etcd_endpoints, timeout=settings.etcd_timeout_s,
+                              max_workers=16)
+        self.mode = ModeState(self.clock.now())
+        self.cluster = ClusterProjection(self.etcd, self.layout, self.metrics)
+        self.committer = Committer(self.etcd, self.layout, self.metrics,
+                                   outbox_enabled=settings.events_enabled)
+        self.writer = StateWriter(self.cluster, self.committer, self.layout)
+        self.placer = Placer(self.cluster, self.clock, self.metrics,
+                             reservation_ttl=settings.reservation_ttl_s)
+        tls = None
+        if settings.agent_tls_enabled:
+            tls = TlsFiles(settings.tls_ca, settings.tls_cert, settings.tls_key)
+        self.leader_term: int | None = None
+        self.agents = AgentPool(self.metrics, instance_id=settings.instance_id,
+                                rpc_timeout=settings.agent_rpc_timeout_s, tls=tls,
+                                leader_term=lambda: self.leader_term)
+        self.dispatcher = Dispatcher(pool=self.agents, cluster=self.cluster,
+                                     committer=self.committer, writer=self.writer,
+                                     clock=self.clock, layout=self.layout,
+                                     concurrency=settings.reconcile_concurrency,
+                                     apply_timeout=settings.agent_apply_timeout_s)
+        self.workloads = WorkloadCommands(cluster=self.cluster, committer=self.committer,
+                                          writer=self.writer, placer=self.placer,
+                                          dispatcher=self.dispatcher, mode=self.mode,
+                                          clock=self.clock, layout=self.layout)
+        self.relocator = Relocator(self.workloads)
+        self.redis = writer_client(self._redis_url()) if settings.redis_addr else None
+        self.usage = UsageSink(self.redis, meter_stream=settings.meter_stream,
+                               meter_maxlen=settings.meter_stream_maxlen,
+                               meter_enabled=settings.meter_stream_enabled)
+        self.nodes = NodeCommands(etcd=self.etcd, cluster=self.cluster, committer=self.committer,
+                                  writer=self.writer, relocator=self.relocator, usage=self.usage,
+                                  mode=self.mode, clock=self.clock, layout=self.layout,
+                                  settings=settings, metrics=self.metrics)
+        self.event_log: RedisEventLog | None = None
+        self.tailer: StreamTailer | None = None
+        self.events: EventService | None = None
+        if self.redis is not None:
+            self.event_log = RedisEventLog(self.redis, settings.event_stream)
+            self.tailer = StreamTailer.from_url(self._redis_url(), settings.event_stream)
+            self.events = EventService(self.event_log, self.tailer)
+        self.relay: Any = None
+        self.supervisor = ModeSupervisor(self.etcd, self.layout, self.committer, self.mode,
+                                         self.clock, allow_empty_state=settings.allow_empty_state,
+                                         instance_id=settings.instance_id)
+        self.servicer = ControlServicer(settings=settings, cluster=self.cluster, nodes=self.nodes,
+                                        workloads=self.workloads, usage=self.usage,
+                                        events=self.events, mode=self.mode,
+                                        metrics=self.metrics)
+        self.http = HttpEndpoint(self.metrics.registry, self.health)
+        self.tasks = TaskOwner()
+        self.grpc_server: grpc.aio.Server | None = None
+        self.grpc_port = 0
+        self.health_servicer = health.aio.HealthServicer()
+
+    def _redis_url(self) -> str:
+        s = self.settings
+        auth = f":{s.redis_password}@" if s.redis_password else ""
+        return f"redis://{auth}{s.redis_addr}/{s.redis_db}"
+
+    def health(self) -> dict[str, str]:
+        s = self.settings
+        relay_status = getattr(self.relay, "status", "off") if self.relay is not None else "off"
+        return {
+            "status": "ok",
+            "mode": self.mode.mode,
+            "reason": self.mode.reason,
+            "modeChangedAt": self.mode.changed_at.isoformat(),
+            "instanceId": s.instance_id,
+            "haMode": s.ha_mode,
+            "shardIndex": str(s.shard_index),
+            "shardCount": str(s.shard_count),
+            "leader": str(self.leader_term is not None).lower(),
+            "relay": str(relay_status),
+        }
+
+    async def start(self) -> None:
+        """Start projections, background tasks, the gRPC server and the HTTP endpoint."""
+        for projection in self.cluster.projections:
+            self.tasks.start(f"projection:{projection.name}", projection.run)
+        self.tasks.start("mode-supervisor", self.supervisor.run)
+        if self.tailer is not None:
+            await self.tailer.start()
+        if self.event_log is not None:
+            self.relay = self._build_relay()
+            if self.relay is not None:
+                self.tasks.start("relay", self.relay.run)
+        await self.cluster.wait_ready(timeout=60.0)
+        await self._start_grpc()
+        await self.http.start(self.settings.grpc_addr, self.settings.metrics_port)
+        log.info("scheduler started instance_id=%s grpc_port=%d metrics_port=%d",
+                 self.settings.instance_id, self.grpc_port, self.http.port)
+
+    def _build_relay(self) -> Any:
+        try:
+            from eventsource.relay import Relay
+        except ImportError:
+            log.warning("event relay not available: events stay in the etcd outbox")
+            return None
+        assert self.event_log is not None
+        return Relay(
+            etcd=self.etcd, layout=self.layout, log=self.event_log, metrics=self.metrics,
+            clock=self.clock, max_entries=self.settings.redis_event_max_entries,
+            ttl_ms=int(self.settings.redis_event_ttl_s * 1000),
+            outbox_max=self.settings.event_outbox_max, instance_id=self.settings.instance_id,
+        )
+
+    async def _start_grpc(self) -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * 1024 * 1024)])
+        control_pb2_grpc.add_AgentControlServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
+        service_name = control_pb2.DESCRIPTOR.services_by_name["AgentControl"].full_name
+        reflection.enable_server_reflection(
+            (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{self.settings.grpc_addr}:{self.settings.grpc_port}"
+        if self.settings.insecure:
+            self.grpc_port = server.add_insecure_port(address)
+        else:
+            creds = self._server_credentials()
+            self.grpc_port = server.add_secure_port(address, creds)
+        await server.start()
+        await self.health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+        self.grpc_server = server
+
+    def _server_credentials(self) -> grpc.ServerCredentials:
+        s = self.settings
+
+        def load() -> grpc.ServerCertificateConfiguration:
+            with open(s.tls_ca, "rb") as ca, open(s.tls_cert, "rb") as cert, \
+                    open(s.tls_key, "rb") as key:
+                return grpc.ssl_server_certificate_configuration(
+                    [(key.read(), cert.read())], root_certificates=ca.read())
+
+        state = {"config": load()}
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            # called by gRPC before each handshake: a changed file is picked up, a broken one
+            # keeps the last good configuration (as the Go version does)
+            try:
+                state["config"] = load()
+            except OSError:
+                return None
+            return state["config"]
+
+        return grpc.dynamic_ssl_server_credentials(state["config"], fetch,
+                                                   require_client_authentication=True)
+
+    async def stop(self) -> None:
+        if self.grpc_server is not None:
+            await self.health_servicer.enter_graceful_shutdown()
+            await self.grpc_server.stop(grace=2.0)
+            self.grpc_server = None
+        await self.tasks.stop("relay")
+        if self.relay is not None and hasattr(self.relay, "aclose"):
+            await self.relay.aclose()
+        await self.dispatcher.aclose()
+        await self.tasks.stop()
+        if self.tailer is not None:
+            await self.tailer.aclose()
+        await self.agents.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+        await self.http.stop()
+        self.etcd.close()
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    """Run one replica until ``stop`` is set."""
+    scheduler = Scheduler(settings)
+    try:
+        await scheduler.start()
+        await stop.wait()
+    finally:
+        await scheduler.stop()

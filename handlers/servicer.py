@@ -1,0 +1,469 @@
+"""The ``persys.control.v1.AgentControl`` servicer: thin, validate -> one handler -> answer.
+
+Errors follow ARCHITECTURE 5: the persys RPCs the Go agents, gateway and CLI already call answer
+expected failures in-band (``accepted``/``success`` false with a reason, ``INVALID_SPEC`` naming
+the field); the new RPCs and reads use gRPC status codes, with UNAVAILABLE naming the mode when
+the scheduler is degraded. RPCs that a later feature implements answer UNIMPLEMENTED naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import grpc
+
+from eventsource.errors import Conflict, StoreError
+from eventsource.metrics import Metrics
+from handlers.config import Settings
+from handlers.convert import node_view, workload_view
+from handlers.modes import ModeState
+from handlers.nodes import NodeCommands
+from handlers.specs import InvalidSpec, parse_apply, spec_size, validate_id
+from handlers.state import NotFound
+from handlers.usage import UsageSink
+from handlers.workloads import Outcome, WorkloadCommands
+from projections.cluster import ClusterProjection
+from proto.persys.control.v1 import control_pb2, control_pb2_grpc
+
+log = logging.getLogger("persys.api")
+
+FAILURE = control_pb2.FailureReason
+
+
+class EventQueries(Protocol):
+    async def list_events(self, req: control_pb2.ListEventsRequest,
+                          context: grpc.aio.ServicerContext) -> control_pb2.ListEventsResponse: ...
+
+    def watch_events(self, req: control_pb2.WatchEventsRequest,
+                     context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[control_pb2.SchedulerEventView]: ...
+
+
+class ControlServicer(control_pb2_grpc.AgentControlServicer):
+    """Every AgentControl RPC."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        cluster: ClusterProjection,
+        nodes: NodeCommands,
+        workloads: WorkloadCommands,
+        usage: UsageSink,
+        events: EventQueries | None,
+        mode: ModeState,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.cluster = cluster
+        self.nodes = nodes
+        self.workloads = workloads
+        self.usage = usage
+        self.events = events
+        self.mode = mode
+        self.metrics = metrics
+
+    # -- helpers ----------------------------------------------------------------------------
+    async def _require_writable(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.mode.writable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"scheduler {self.mode.mode}: {self.mode.reason}")
+
+    async def _timed(self, method: str, body: Callable[[], Awaitable[Any]]) -> Any:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            return await body()
+        except Exception:
+            code = "UNKNOWN"
+            raise
+        finally:
+            self.metrics.grpc_requests.labels(method, code).inc()
+            self.metrics.grpc_duration.labels(method, code).observe(
+                time.perf_counter() - started)
+
+    # -- registration and heartbeat (in-band errors) ----------------------------------------
+    async def RegisterNode(self, request: control_pb2.RegisterNodeRequest,
+                           context: grpc.aio.ServicerContext
+                           ) -> control_pb2.RegisterNodeResponse:
+        outcome = await self.nodes.register(request)
+        resp = control_pb2.RegisterNodeResponse(
+            accepted=outcome.accepted, reason=outcome.reason,
+            heartbeat_interval_seconds=outcome.interval_s)
+        if outcome.lease_expires_at is not None:
+            resp.lease_expires_at.FromDatetime(outcome.lease_expires_at)
+        if not outcome.accepted:
+            log.info("registration refused node_id=%s reason=%r", request.node_id, outcome.reason)
+        return resp
+
+    async def Heartbeat(self, request: control_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> control_pb2.HeartbeatResponse:
+        outcome = await self.nodes.heartbeat(request)
+        if not outcome.known:
+            # the Go agent re-registers when a heartbeat fails: that is what an unknown node needs
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"node {request.node_id!r} is not registered")
+        resp = control_pb2.HeartbeatResponse(acknowledged=True, drain_node=outcome.drain)
+        if outcome.lease_expires_at is not None:
+            resp.lease_expires_at.FromDatetime(outcome.lease_expires_at)
+        return resp
+
+    # -- workload commands (in-band errors) --------------------------------------------------
+    @staticmethod
+    def _apply_response(outcome: Outcome) -> control_pb2.ApplyWorkloadResponse:
+        if outcome.ok:
+            return control_pb2.ApplyWorkloadResponse(success=True)
+        reason = FAILURE.Value(outcome.failure) if outcome.failure else FAILURE.RUNTIME_ERROR
+        return control_pb2.ApplyWorkloadResponse(
+            success=False, failure_reason=reason, error_message=outcome.message)
+
+    async def ApplyWorkload(self, request: control_pb2.ApplyWorkloadRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> control_pb2.ApplyWorkloadResponse:
+        size = spec_size(request)
+        if size > self.settings.max_spec_bytes:
+            return control_pb2.ApplyWorkloadResponse(
+                success=False, failure_reason=FAILURE.INVALID_SPEC,
+                error_message=f"spec: {size} bytes exceeds the limit of "
+                              f"{self.settings.max_spec_bytes} bytes")
+        try:
+            parsed = parse_apply(request, created_at=datetime.now(UTC).isoformat())
+        except InvalidSpec as exc:
+            return control_pb2.ApplyWorkloadResponse(
+                success=False, failure_reason=FAILURE.INVALID_SPEC, error_message=str(exc))
+        try:
+            outcome = await self.workloads.apply(parsed)
+        except StoreError as exc:
+            outcome = Outcome(False, "RUNTIME_ERROR", f"state not stored: {exc}")
+        return self._apply_response(outcome)
+
+    async def DeleteWorkload(self, request: control_pb2.DeleteWorkloadRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> control_pb2.DeleteWorkloadResponse:
+        try:
+            workload_id = validate_id("workload_id", request.workload_id)
+            outcome = await self.workloads.delete(workload_id)
+        except InvalidSpec as exc:
+            outcome = Outcome(False, "INVALID_SPEC", str(exc))
+        except (StoreError, Conflict) as exc:
+            outcome = Outcome(False, "RUNTIME_ERROR", f"state not stored: {exc}")
+        return control_pb2.DeleteWorkloadResponse(success=outcome.ok,
+                                                  error_message=outcome.message if not outcome.ok
+                                                  else "")
+
+    async def RetryWorkload(self, request: control_pb2.RetryWorkloadRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> control_pb2.RetryWorkloadResponse:
+        try:
+            workload_id = validate_id("workload_id", request.workload_id)
+            outcome = await self.workloads.retry(workload_id)
+        except (InvalidSpec, StoreError, Conflict) as exc:
+            log.info("retry refused workload_id=%r: %s", request.workload_id, exc)
+            return control_pb2.RetryWorkloadResponse(accepted=False)
+        return control_pb2.RetryWorkloadResponse(accepted=outcome.ok)
+
+    async def SubmitAutomationSuggestion(
+        self, request: control_pb2.SubmitAutomationSuggestionRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> control_pb2.SubmitAutomationSuggestionResponse:
+        s = request.suggestion
+        now = datetime.now(UTC)
+        action = s.action_type
+        A = control_pb2.AutomationActionType
+
+        def answer(accepted: bool, reason: str, applied: str = ""
+                   ) -> control_pb2.SubmitAutomationSuggestionResponse:
+            resp = control_pb2.SubmitAutomationSuggestionResponse(
+                accepted=accepted, decision="accepted" if accepted else "rejected",
+                reason=reason, applied_action=applied if accepted else "")
+            resp.decided_at.FromDatetime(now)
+            return resp
+
+        try:
+            workload_id = validate_id("suggestion.target_workload", s.target_workload)
+        except InvalidSpec as exc:
+            return answer(False, str(exc))
+        if not self.mode.writable:
+            return answer(False, f"scheduler {self.mode.mode}: {self.mode.reason}")
+        try:
+            if action == A.AUTOMATION_ACTION_SET_DESIRED_STATE:
+                if not s.desired_state.strip():
+                    return answer(False, "suggestion.desired_state: required")
+                req = control_pb2.ApplyWorkloadRequest(workload_id=workload_id,
+                                                       desired_state=s.desired_state)
+                outcome = await self.workloads.apply(parse_apply(req, created_at=""))
+                return answer(outcome.ok, outcome.message or "desired state updated",
+                              "set_desired_state")
+            if action == A.AUTOMATION_ACTION_RETRY_WORKLOAD:
+                outcome = await self.workloads.retry(workload_id)
+                return answer(outcome.ok, outcome.message or "retry triggered", "retry_workload")
+            if action == A.AUTOMATION_ACTION_DELETE_WORKLOAD:
+                outcome = await self.workloads.delete(workload_id)
+                return answer(outcome.ok, outcome.message or "delete requested",
+                              "delete_workload")
+            if action == A.AUTOMATION_ACTION_SCALE_REPLICAS:
+                return answer(False, "replica updates are not supported by the scheduler")
+        except (StoreError, Conflict, InvalidSpec) as exc:
+            return answer(False, str(exc))
+        return answer(False, "suggestion.action_type: unspecified or unknown")
+
+    # -- node control (status codes) --------------------------------------------------------
+    async def _node_control(self, context: grpc.aio.ServicerContext, node_id_raw: str,
+                            body: Callable[[str], Awaitable[Any]]) -> Any:
+        try:
+            node_id = validate_id("node_id", node_id_raw)
+        except InvalidSpec as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._require_writable(context)
+        try:
+            return await body(node_id)
+        except NotFound:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"node {node_id!r} not found")
+        except Conflict as exc:
+            await context.abort(grpc.StatusCode.ABORTED, f"concurrent updates: {exc}")
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd: {exc}")
+
+    def _node_view(self, node_id: str) -> control_pb2.NodeView:
+        item = self.cluster.nodes.get(node_id)
+        if item is None:
+            return control_pb2.NodeView(node_id=node_id)
+        alloc = self.cluster.allocations.get(node_id)
+        return node_view(item.value, alloc.value if alloc else None,
+                         alive=self.cluster.alive.get(node_id) is not None)
+
+    async def DrainNode(self, request: control_pb2.DrainNodeRequest,
+                        context: grpc.aio.ServicerContext) -> control_pb2.DrainNodeResponse:
+        async def body(node_id: str) -> control_pb2.DrainNodeResponse:
+            node, moved = await self.nodes.drain(node_id, request.reason)
+            return control_pb2.DrainNodeResponse(
+                accepted=True, message=f"node draining; {moved} workloads relocated",
+                relocated_workloads=moved, node=self._node_view(node_id))
+        result: control_pb2.DrainNodeResponse = await self._node_control(
+            context, request.node_id, body)
+        return result
+
+    async def UndrainNode(self, request: control_pb2.UndrainNodeRequest,
+                          context: grpc.aio.ServicerContext) -> control_pb2.UndrainNodeResponse:
+        async def body(node_id: str) -> control_pb2.UndrainNodeResponse:
+            await self.nodes.undrain(node_id, request.reason)
+            return control_pb2.UndrainNodeResponse(accepted=True, message="node ready",
+                                                   node=self._node_view(node_id))
+        result: control_pb2.UndrainNodeResponse = await self._node_control(
+            context, request.node_id, body)
+        return result
+
+    async def TaintNode(self, request: control_pb2.TaintNodeRequest,
+                        context: grpc.aio.ServicerContext) -> control_pb2.TaintNodeResponse:
+        taint = request.taint
+        if not taint.key.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "taint.key: required")
+        if taint.effect not in ("", "NoSchedule", "PreferNoSchedule"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "taint.effect: must be NoSchedule or PreferNoSchedule")
+
+        async def body(node_id: str) -> control_pb2.TaintNodeResponse:
+            await self.nodes.taint(node_id, taint.key.strip(), taint.value, taint.effect)
+            return control_pb2.TaintNodeResponse(accepted=True, message="tainted",
+                                                  node=self._node_view(node_id))
+        result: control_pb2.TaintNodeResponse = await self._node_control(
+            context, request.node_id, body)
+        return result
+
+    async def UntaintNode(self, request: control_pb2.UntaintNodeRequest,
+                          context: grpc.aio.ServicerContext) -> control_pb2.UntaintNodeResponse:
+        if not request.key.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
+
+        async def body(node_id: str) -> control_pb2.UntaintNodeResponse:
+            await self.nodes.untaint(node_id, request.key.strip(), request.effect)
+            return control_pb2.UntaintNodeResponse(accepted=True, message="untainted",
+                                                    node=self._node_view(node_id))
+        result: control_pb2.UntaintNodeResponse = await self._node_control(
+            context, request.node_id, body)
+        return result
+
+    async def SetNodeLabel(self, request: control_pb2.SetNodeLabelRequest,
+                           context: grpc.aio.ServicerContext
+                           ) -> control_pb2.SetNodeLabelResponse:
+        if not request.key.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
+        if request.key.strip() == "scheduler_shard":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "key: scheduler_shard is managed by the scheduler")
+
+        async def body(node_id: str) -> control_pb2.SetNodeLabelResponse:
+            await self.nodes.set_label(node_id, request.key.strip(), request.value)
+            return control_pb2.SetNodeLabelResponse(accepted=True, message="label set",
+                                                     node=self._node_view(node_id))
+        result: control_pb2.SetNodeLabelResponse = await self._node_control(
+            context, request.node_id, body)
+        return result
+
+    async def DeleteNodeLabel(self, request: control_pb2.DeleteNodeLabelRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> control_pb2.DeleteNodeLabelResponse:
+        if not request.key.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
+
+        async def body(node_id: str) -> control_pb2.DeleteNodeLabelResponse:
+            await self.nodes.delete_label(node_id, request.key.strip())
+            return control_pb2.DeleteNodeLabelResponse(accepted=True, message="label deleted",
+                                                        node=self._node_view(node_id))
+        result: control_pb2.DeleteNodeLabelResponse = await self._node_control(
+            context, request.node_id, body)
+        return result
+
+    # -- reads (projections) ----------------------------------------------------------------
+    async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.cluster.is_ready():
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "scheduler is loading its projections from etcd")
+
+    async def ListNodes(self, request: control_pb2.ListNodesRequest,
+                        context: grpc.aio.ServicerContext) -> control_pb2.ListNodesResponse:
+        await self._require_ready(context)
+        wanted = request.status.strip().lower()
+        resp = control_pb2.ListNodesResponse()
+        for node_id in sorted(self.cluster.nodes.items):
+            view = self._node_view(node_id)
+            if wanted and view.status.lower() != wanted:
+                continue
+            resp.nodes.append(view)
+        return resp
+
+    async def GetNode(self, request: control_pb2.GetNodeRequest,
+                      context: grpc.aio.ServicerContext) -> control_pb2.GetNodeResponse:
+        await self._require_ready(context)
+        if not request.node_id.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id: required")
+        if self.cluster.nodes.get(request.node_id.strip()) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.node_id!r} not found")
+        return control_pb2.GetNodeResponse(node=self._node_view(request.node_id.strip()))
+
+    async def ListWorkloads(self, request: control_pb2.ListWorkloadsRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> control_pb2.ListWorkloadsResponse:
+        await self._require_ready(context)
+        wanted = request.status.strip().lower()
+        node_filter = request.node_id.strip()
+        if node_filter:
+            ids = sorted(wid for wid, item in self.cluster.statuses.items.items()
+                         if (item.value.node_id or item.value.assigned_node) == node_filter)
+        else:
+            ids = sorted(self.cluster.specs.items)
+        resp = control_pb2.ListWorkloadsResponse()
+        for wid in ids:
+            spec = self.cluster.specs.get(wid)
+            if spec is None:
+                continue
+            status = self.cluster.statuses.get(wid)
+            view = workload_view(spec.value, status.value if status else None)
+            if wanted and view.status.lower() != wanted:
+                continue
+            resp.workloads.append(view)
+        return resp
+
+    async def GetWorkload(self, request: control_pb2.GetWorkloadRequest,
+                          context: grpc.aio.ServicerContext) -> control_pb2.GetWorkloadResponse:
+        await self._require_ready(context)
+        wid = request.workload_id.strip()
+        if not wid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "workload_id: required")
+        spec = self.cluster.specs.get(wid)
+        if spec is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"workload {wid!r} not found")
+        assert spec is not None
+        status = self.cluster.statuses.get(wid)
+        usage = await self.usage.get(wid)
+        return control_pb2.GetWorkloadResponse(
+            workload=workload_view(spec.value, status.value if status else None, usage))
+
+    async def GetClusterSummary(self, request: control_pb2.GetClusterSummaryRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> control_pb2.GetClusterSummaryResponse:
+        await self._require_ready(context)
+        resp = control_pb2.GetClusterSummaryResponse()
+        for item in self.cluster.nodes.items.values():
+            resp.total_nodes += 1
+            if item.value.status.lower() == "ready":
+                resp.ready_nodes += 1
+            else:
+                resp.not_ready_nodes += 1
+        for wid, spec in self.cluster.specs.items.items():
+            resp.total_workloads += 1
+            st = self.cluster.statuses.get(wid)
+            status = (st.value.status if st else "").lower()
+            if spec.value.desired_state.lower() == "deleted" or status == "deleted":
+                resp.deleted_workloads += 1
+            elif status == "running":
+                resp.running_workloads += 1
+            elif status == "failed":
+                resp.failed_workloads += 1
+            elif status in ("pending", "unknown", "updating", "scheduled", ""):
+                resp.pending_workloads += 1
+        resp.generated_at.FromDatetime(datetime.now(UTC))
+        return resp
+
+    # -- events -----------------------------------------------------------------------------
+    async def ListEvents(self, request: control_pb2.ListEventsRequest,
+                         context: grpc.aio.ServicerContext) -> control_pb2.ListEventsResponse:
+        if self.events is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "events need REDIS_ADDR")
+        assert self.events is not None
+        return await self.events.list_events(request, context)
+
+    async def WatchEvents(self, request: control_pb2.WatchEventsRequest,
+                          context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[control_pb2.SchedulerEventView]:
+        if self.events is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "events need REDIS_ADDR")
+        assert self.events is not None
+        async for view in self.events.watch_events(request, context):
+            yield view
+
+    # -- not yet implemented features -------------------------------------------------------
+    async def ControlStream(self, request_iterator: Any, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[control_pb2.ControlMessage]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "ControlStream is not implemented (as in the Go scheduler)")
+        yield control_pb2.ControlMessage()  # pragma: no cover
+
+    async def _unimplemented(self, context: grpc.aio.ServicerContext, feature: str) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{feature} is not implemented yet in this scheduler")
+
+    async def CreateDisk(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the disk API (CreateDisk)")
+
+    async def ListDisks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the disk API (ListDisks)")
+
+    async def GetDisk(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the disk API (GetDisk)")
+
+    async def DeleteDisk(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the disk API (DeleteDisk)")
+
+    async def CreateBucket(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the Ceph RGW bucket API (CreateBucket)")
+
+    async def ListBuckets(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the Ceph RGW bucket API (ListBuckets)")
+
+    async def GetBucket(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the Ceph RGW bucket API (GetBucket)")
+
+    async def DeleteBucket(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the Ceph RGW bucket API (DeleteBucket)")
+
+    async def GetBucketAccess(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the Ceph RGW bucket API (GetBucketAccess)")
+
+    async def ListBucketObjects(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "the Ceph RGW bucket API (ListBucketObjects)")
+

@@ -1,0 +1,330 @@
+"""Workload specs: validation of API input, conversion to the stored record, and the agent
+request built from the record.
+
+Validation answers with the field path and the reason (``InvalidSpec``), which the servicer turns
+into the in-band ``INVALID_SPEC`` answer Go clients read. Conversion follows the Go scheduler
+(persys-facts B "ApplyWorkload" and C "How the scheduler builds an agent apply request") except
+where that version lost data: container managed volumes are kept, and the spec's creation time
+is read back.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from eventsource.records import Resources, WorkloadSpec
+from handlers.placement import canonical_driver, canonical_type
+from proto.persys.agent.v1 import agent_pb2
+from proto.persys.control.v1 import control_pb2
+
+WORKLOAD_TYPES = frozenset({"container", "compose", "vm", "microvm"})
+_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,252}$")
+
+
+class InvalidSpec(ValueError):
+    """Bad input: ``field`` names the offending field, the message says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def normalize_desired_state(value: str) -> str:
+    v = value.strip().lower()
+    if v in ("stop", "stopped"):
+        return "Stopped"
+    if v in ("delete", "deleted"):
+        return "Deleted"
+    return "Running"
+
+
+def validate_id(field: str, value: str) -> str:
+    text = value.strip()
+    if not text:
+        raise InvalidSpec(field, "required")
+    if not _ID_PATTERN.match(text):
+        raise InvalidSpec(
+            field, "must be 1-253 characters of letters, digits, '.', '_', ':' or '-'"
+        )
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedApply:
+    """A validated ApplyWorkloadRequest."""
+
+    workload_id: str
+    desired_state: str
+    spec: WorkloadSpec | None
+    metadata: dict[str, str]
+
+
+def _check_nonneg(field: str, value: int) -> None:
+    if value < 0:
+        raise InvalidSpec(field, f"must not be negative (got {value})")
+
+
+def _managed_volumes(field: str, volumes: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, mv in enumerate(volumes):
+        if not mv.name.strip():
+            raise InvalidSpec(f"{field}[{i}].name", "required")
+        _check_nonneg(f"{field}[{i}].size_gb", mv.size_gb)
+        retain = mv.retain_policy or "Delete"
+        if retain not in ("Delete", "Retain"):
+            raise InvalidSpec(f"{field}[{i}].retain_policy", "must be Delete or Retain")
+        out.append(
+            {
+                "name": mv.name.strip(),
+                "driver": canonical_driver(mv.driver),
+                "size_gb": mv.size_gb,
+                "access_mode": mv.access_mode,
+                "fs_type": mv.fs_type,
+                "mount_path": mv.mount_path,
+                "read_only": mv.read_only,
+                "retain_policy": retain,
+            }
+        )
+    return out
+
+
+def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> ParsedApply:
+    """Validate an ApplyWorkloadRequest and convert it; raises ``InvalidSpec``."""
+    workload_id = validate_id("workload_id", req.workload_id)
+    desired = normalize_desired_state(req.desired_state)
+    if not req.HasField("spec"):
+        return ParsedApply(workload_id, desired, None, {})
+    spec = req.spec
+    wtype = canonical_type(spec.type)
+    if not wtype:
+        wtype = {"container": "container", "compose": "compose", "vm": "vm"}.get(
+            spec.WhichOneof("workload") or "", ""
+        )
+    if wtype not in WORKLOAD_TYPES:
+        raise InvalidSpec(
+            "spec.type", f"unknown workload type {spec.type!r} (container, compose, vm, microvm)"
+        )
+    res = spec.resources
+    _check_nonneg("spec.resources.cpu_millicores", res.cpu_millicores)
+    _check_nonneg("spec.resources.memory_mb", res.memory_mb)
+    _check_nonneg("spec.resources.disk_gb", res.disk_gb)
+    record = WorkloadSpec(
+        id=workload_id,
+        name=workload_id,
+        type=wtype,
+        revision_id=req.revision_id.strip(),
+        desired_state=desired,
+        resources=Resources(
+            cpu_usage=res.cpu_millicores / 1000.0,
+            memory_usage=float(res.memory_mb),
+            disk_usage=float(res.disk_gb),
+        ),
+        created_at=created_at,
+    )
+    metadata = {str(k): str(v) for k, v in spec.metadata.items()}
+    if wtype == "container":
+        if spec.WhichOneof("workload") != "container":
+            raise InvalidSpec("spec.container", "required for type container")
+        c = spec.container
+        if not c.image.strip():
+            raise InvalidSpec("spec.container.image", "required")
+        record.image = c.image.strip()
+        record.command_list = list(c.command)
+        record.command = " ".join(c.command)
+        record.env_vars = dict(c.env)
+        record.restart_policy = c.restart_policy
+        for i, p in enumerate(c.ports):
+            if not 0 <= p.host_port <= 65535:
+                raise InvalidSpec(f"spec.container.ports[{i}].host_port", "must be 0-65535")
+            if not 1 <= p.container_port <= 65535:
+                raise InvalidSpec(f"spec.container.ports[{i}].container_port", "must be 1-65535")
+            record.ports.append(f"{p.host_port}:{p.container_port}/{p.protocol or 'tcp'}")
+        for i, v in enumerate(c.volumes):
+            if not v.host_path or not v.container_path:
+                raise InvalidSpec(f"spec.container.volumes[{i}]", "host_path and container_path")
+            record.volumes.append(
+                f"{v.host_path}:{v.container_path}" + (":ro" if v.read_only else "")
+            )
+        record.managed_volumes = _managed_volumes("spec.container.managed_volumes",
+                                                  c.managed_volumes)
+    elif wtype == "compose":
+        if spec.WhichOneof("workload") != "compose":
+            raise InvalidSpec("spec.compose", "required for type compose")
+        cs = spec.compose
+        source = (cs.source_type or ("git" if cs.git_repo else "inline")).lower()
+        if source == "git":
+            if not cs.git_repo.strip():
+                raise InvalidSpec("spec.compose.git_repo", "required for source_type git")
+            record.git_repo = cs.git_repo.strip()
+            record.git_branch = cs.git_ref
+        elif source == "inline":
+            if not cs.inline_yaml.strip():
+                raise InvalidSpec("spec.compose.inline_yaml", "required for source_type inline")
+            record.compose_yaml = cs.inline_yaml
+        else:
+            raise InvalidSpec("spec.compose.source_type", "must be git or inline")
+        record.env_vars = dict(cs.env)
+    else:
+        vm = _vm_from_request(spec, metadata)
+        record.vm = vm
+    return ParsedApply(workload_id, desired, record, metadata)
+
+
+def _vm_from_request(spec: control_pb2.WorkloadSpec, metadata: dict[str, str]) -> dict[str, Any]:
+    encoded = metadata.get("persys.vm_spec_b64", "")
+    if encoded:
+        try:
+            decoded = json.loads(base64.b64decode(encoded))
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not base64 JSON") from exc
+        if not isinstance(decoded, dict):
+            raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not a JSON object")
+        return decoded
+    if spec.WhichOneof("workload") != "vm":
+        raise InvalidSpec("spec.vm", "required for type vm")
+    v = spec.vm
+    if v.vcpus <= 0:
+        raise InvalidSpec("spec.vm.vcpus", "must be positive")
+    if v.memory_mb <= 0:
+        raise InvalidSpec("spec.vm.memory_mb", "must be positive")
+    disks = []
+    for i, d in enumerate(v.disks):
+        _check_nonneg(f"spec.vm.disks[{i}].size_gb", d.size_gb)
+        disks.append({"device": d.mount_point or "vda", "format": "qcow2", "type": "disk",
+                      "sizeGb": d.size_gb or 20, "storage": d.pool_name})
+    networks = [{"network": n.bridge, "ipAddress": n.static_ip, "bridge": n.bridge}
+                for n in v.networks]
+    ci = v.cloud_init
+    return {
+        "vcpus": v.vcpus,
+        "memoryMb": v.memory_mb,
+        "osImage": v.os_image,
+        "disks": disks,
+        "networks": networks,
+        "cloudInitConfig": {"userData": ci.user_data, "metaData": ci.meta_data,
+                            "networkConfig": ci.network_config, "vendorData": ci.vendor_data},
+        "managedVolumes": _managed_volumes("spec.vm.managed_volumes", v.managed_volumes),
+    }
+
+
+def compute_revision(spec: WorkloadSpec) -> str:
+    """A content hash of the spec (24 hex chars), ignoring bookkeeping fields."""
+    body = {
+        "type": spec.type, "image": spec.image, "commandList": spec.command_list,
+        "composeYaml": spec.compose_yaml, "gitRepo": spec.git_repo, "gitBranch": spec.git_branch,
+        "envVars": spec.env_vars, "resources": [spec.resources.cpu_usage,
+                                                spec.resources.memory_usage,
+                                                spec.resources.disk_usage],
+        "ports": spec.ports, "volumes": spec.volumes, "restartPolicy": spec.restart_policy,
+        "vm": spec.vm, "managedVolumes": spec.managed_volumes, "labels": spec.labels,
+        "desiredState": spec.desired_state,
+    }
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()
+    return digest[:12].hex()
+
+
+def request_of(spec: WorkloadSpec) -> tuple[int, int]:
+    """(cpu millicores, memory MB) requested by a spec."""
+    return int(round(spec.resources.cpu_usage * 1000)), int(round(spec.resources.memory_usage))
+
+
+def _split_port(text: str) -> agent_pb2.PortMapping | None:
+    proto = "tcp"
+    body = text
+    if "/" in body:
+        body, proto = body.rsplit("/", 1)
+    host, _, container = body.partition(":")
+    try:
+        return agent_pb2.PortMapping(host_port=int(host or 0), container_port=int(container),
+                                     protocol=proto)
+    except ValueError:
+        return None
+
+
+def _managed_volume_pb(mv: dict[str, Any]) -> agent_pb2.ManagedVolumeSpec:
+    return agent_pb2.ManagedVolumeSpec(
+        name=str(mv.get("name", "")), driver=str(mv.get("driver", "")),
+        size_gb=int(mv.get("size_gb", 0)), access_mode=str(mv.get("access_mode", "")),
+        fs_type=str(mv.get("fs_type", "")), mount_path=str(mv.get("mount_path", "")),
+        read_only=bool(mv.get("read_only", False)),
+        retain_policy=str(mv.get("retain_policy", "")),
+    )
+
+
+def agent_apply_request(
+    spec: WorkloadSpec, metadata: dict[str, Any], desired_state: str
+) -> agent_pb2.ApplyWorkloadRequest:
+    """The agent ApplyWorkloadRequest for a stored workload."""
+    desired = (
+        agent_pb2.DESIRED_STATE_STOPPED
+        if desired_state.lower() in ("stopped", "stop")
+        else agent_pb2.DESIRED_STATE_RUNNING
+    )
+    req = agent_pb2.ApplyWorkloadRequest(
+        id=spec.id, revision_id=spec.revision_id or compute_revision(spec), desired_state=desired
+    )
+    cpu_m, mem_mb = request_of(spec)
+    if spec.type == "container":
+        req.type = agent_pb2.WORKLOAD_TYPE_CONTAINER
+        c = req.spec.container
+        c.image = spec.image
+        c.command.extend(spec.command_list or spec.command.split())
+        c.env.update(spec.env_vars)
+        labels = spec.labels or {k: v for k, v in metadata.items() if isinstance(v, str)}
+        c.labels.update(labels)
+        c.restart_policy.policy = spec.restart_policy
+        if cpu_m > 0 or mem_mb > 0:
+            c.resources.cpu_shares = cpu_m
+            c.resources.memory_bytes = mem_mb * 1024 * 1024
+        for text in spec.ports:
+            port = _split_port(text)
+            if port is not None:
+                c.ports.append(port)
+        for text in spec.volumes:
+            parts = text.split(":")
+            if len(parts) >= 2:
+                c.volumes.append(agent_pb2.VolumeMount(
+                    host_path=parts[0], container_path=parts[1],
+                    read_only=len(parts) > 2 and parts[2] == "ro"))
+        c.managed_volumes.extend(_managed_volume_pb(mv) for mv in spec.managed_volumes)
+    elif spec.type == "compose":
+        req.type = agent_pb2.WORKLOAD_TYPE_COMPOSE
+        cs = req.spec.compose
+        yaml = spec.compose_yaml or spec.compose
+        cs.compose_yaml = base64.b64encode(yaml.encode()).decode() if yaml else ""
+        cs.project_name = spec.project_name or re.sub(r"[^a-z0-9_-]", "-", spec.id.lower())
+        cs.env.update(spec.env_vars)
+    else:
+        req.type = agent_pb2.WORKLOAD_TYPE_VM
+        vm = spec.vm or {}
+        v = req.spec.vm
+        v.name = spec.id
+        v.vcpus = int(vm.get("vcpus", 0))
+        v.memory_mb = int(vm.get("memoryMb", 0))
+        v.os_image = str(vm.get("osImage", ""))
+        if spec.type == "microvm":
+            v.runtime = "firecracker"
+            v.metadata["persys.workload.type"] = "microvm"
+        for d in vm.get("disks", []):
+            v.disks.append(agent_pb2.DiskConfig(
+                device=str(d.get("device", "vda")), format=str(d.get("format", "qcow2")),
+                type=str(d.get("type", "disk")), size_gb=int(d.get("sizeGb", 20)),
+                storage=str(d.get("storage", "")),
+                path=f"/var/lib/libvirt/images/{spec.id}-{d.get('device', 'vda')}.qcow2"))
+        for n in vm.get("networks", []):
+            v.networks.append(agent_pb2.NetworkConfig(
+                network=str(n.get("network", "")), ip_address=str(n.get("ipAddress", "")),
+                bridge=str(n.get("bridge", ""))))
+        v.managed_volumes.extend(_managed_volume_pb(mv) for mv in vm.get("managedVolumes", []))
+    return req
+
+
+def spec_size(req: control_pb2.ApplyWorkloadRequest) -> int:
+    return int(req.ByteSize())

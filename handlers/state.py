@@ -1,0 +1,97 @@
+"""Read-modify-write helpers over the projections, with CAS and bounded retry.
+
+Every concurrent write path goes through here: read the record and its ``mod_revision`` from the
+projection, let a mutator decide (returning False for "nothing to do", so nothing is written),
+commit with a compare on the revision read, and on ``Conflict`` wait until the projection has
+caught up with the write that won, then re-read and re-decide. A record is never written without
+a compare, so a heartbeat on one replica and a reconcile on another cannot overwrite each other.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TypeVar
+
+from eventsource.commit import Change, Committed, Committer, retry_on_conflict
+from eventsource.errors import Conflict
+from eventsource.etcd import Compare, Put
+from eventsource.events import Event
+from eventsource.keys import KeyLayout
+from eventsource.records import Node, WorkloadStatus, encode
+from projections.cluster import ClusterProjection
+from projections.prefix import PrefixProjection
+
+R = TypeVar("R")
+
+#: mutator result: None = no change; otherwise the events the change causes
+Mutator = Callable[[R], list[Event] | None]
+
+
+class NotFound(LookupError):
+    """The record to update does not exist."""
+
+
+class StateWriter:
+    """CAS updates of node and workload-status records."""
+
+    def __init__(self, cluster: ClusterProjection, committer: Committer, layout: KeyLayout) -> None:
+        self.cluster = cluster
+        self.committer = committer
+        self.layout = layout
+
+    async def _update(
+        self,
+        projection: PrefixProjection[R],
+        item_id: str,
+        key: str,
+        category: str,
+        mutate: Mutator[R],
+        *,
+        kind: str,
+        extra_puts: Callable[[R], list[Put]] | None = None,
+        fenced: bool = False,
+    ) -> tuple[R, Committed | None]:
+        async def attempt(n: int) -> tuple[R, Committed | None]:
+            item = projection.get(item_id)
+            if item is None:
+                raise NotFound(item_id)
+            record = copy.deepcopy(item.value)
+            events = mutate(record)
+            if events is None:
+                return record, None
+            puts = [Put(key, encode(record), category=category)]
+            if extra_puts is not None:
+                puts.extend(extra_puts(record))
+            change = Change(
+                kind=kind, compares=[Compare.mod(key, item.mod_revision)], puts=puts,
+                events=events,
+            )
+            try:
+                return record, await self.committer.commit(change, fenced=fenced)
+            except Conflict as exc:
+                if exc.revision:
+                    await projection.wait_for_revision(exc.revision)
+                raise
+
+        return await retry_on_conflict(attempt)
+
+    async def update_status(
+        self, workload_id: str, mutate: Mutator[WorkloadStatus], *, kind: str = "status",
+        fenced: bool = False,
+    ) -> tuple[WorkloadStatus, Committed | None]:
+        return await self._update(
+            self.cluster.statuses, workload_id, self.layout.status(workload_id), "status",
+            mutate, kind=kind, fenced=fenced,
+        )
+
+    async def update_node(
+        self, node_id: str, mutate: Mutator[Node], *, kind: str = "node", fenced: bool = False,
+    ) -> tuple[Node, Committed | None]:
+        def status_key(node: Node) -> list[Put]:
+            return [Put(self.layout.node_status(node_id), node.status.encode(), category="node")]
+
+        return await self._update(
+            self.cluster.nodes, node_id, self.layout.node(node_id), "node", mutate,
+            kind=kind, extra_puts=status_key, fenced=fenced,
+        )

