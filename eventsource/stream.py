@@ -63,6 +63,7 @@ __all__ = [
     "format_id",
     "id_key",
     "next_id",
+    "reraise_swallowed_cancel",
     "tailer_client",
     "writer_client",
 ]
@@ -210,6 +211,19 @@ def _entries(raw: object) -> list[RawEntry]:
     return out
 
 
+def reraise_swallowed_cancel() -> None:
+    """Re-raise a cancellation that a Redis call swallowed.
+
+    Measured with redis-py 8.1.0: cancelling a task blocked in ``XREAD BLOCK`` can make the
+    call return a normal (empty) answer while ``task.cancelling()`` stays 1, so the task would
+    carry on as if never cancelled. Every Redis round trip here ends with this check; inside an
+    ``asyncio.timeout`` block the re-raised error becomes the timeout, as it should.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 # -- clients ----------------------------------------------------------------------------------
 
 
@@ -262,6 +276,7 @@ class RedisEventLog:
         try:
             async with asyncio.timeout(self.op_timeout):
                 yield
+                reraise_swallowed_cancel()
         except ResponseError as exc:
             if "WRONGTYPE" in str(exc):
                 raise StreamWrongType(f"{self.key} is not a stream: {exc}") from exc
@@ -612,11 +627,17 @@ class StreamTailer:
     async def aclose(self) -> None:
         """End every subscription, cancel and await the reader, close an owned client."""
         self._closed = True
+        self._wake.set()  # an idle reader wakes up, sees the flag and returns
         for sub in list(self._subs):
             sub._end(SubscriptionClosed("tailer closed"))
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
+            _, pending = await asyncio.wait({task}, timeout=0.5)
+            if pending:
+                # redis-py 8.1 may sit out a cancelled XREAD BLOCK until the server answers;
+                # closing the sockets ends the read now
+                await self._client.connection_pool.disconnect()
             await asyncio.gather(task, return_exceptions=True)
         if self._owns_client:
             await self._client.aclose()
@@ -657,7 +678,7 @@ class StreamTailer:
 
     async def _run(self) -> None:
         block_ms = int(self.block_s * 1000)
-        while True:
+        while not self._closed:
             if not self._subs:
                 # idle: the next first subscriber starts at the top again
                 self._cursor = None
@@ -671,6 +692,9 @@ class StreamTailer:
                     raw = await self._client.xread(
                         {self.stream_key: cursor}, count=self.count, block=block_ms
                     )
+                    reraise_swallowed_cancel()
+                if self._closed:
+                    return
                 entries = self._parse(raw)
                 if not entries:
                     await self._check_reset(cursor)

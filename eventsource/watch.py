@@ -137,10 +137,14 @@ class WatchStream:
             raise Unavailable("watch stream ended")
         except (Compacted, WatchCanceled, Unavailable) as exc:
             self._deliver(exc)
-        except (requests.RequestException, ValueError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a thread boundary: every failure is delivered
+            # closing the response from the loop thread makes the reader fail in many ways
+            # (AttributeError inside http.client included); after close() none of them matter
             if not self._stop.is_set():
-                self._deliver(Unavailable(f"watch connection lost: {exc}"))
+                self._deliver(Unavailable(f"watch connection lost: {exc!r}"))
         finally:
+            if self._response is not None:
+                self._response.close()
             self._session.close()
 
     def _handle(self, message: dict[str, Any]) -> None:
@@ -178,16 +182,15 @@ class WatchStream:
             yield item
 
     def close(self) -> None:
-        """Stop the reader thread; safe to call more than once and from the loop."""
+        """Stop delivering; safe to call more than once and from the loop.
+
+        The reader thread notices at its next chunk (progress notifications arrive every
+        second) or at its read timeout, and then closes its own connection. Closing the
+        response from here instead would block the loop until the reader's read returns.
+        """
         if self._stop.is_set():
             return
         self._stop.set()
-        response = self._response
-        if response is not None:
-            try:
-                response.close()
-            except (OSError, requests.RequestException):
-                log.debug("closing watch response failed", exc_info=True)
         try:
             self._queue.put_nowait(_END)
         except asyncio.QueueFull:

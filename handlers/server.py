@@ -28,6 +28,7 @@ from handlers.config import Settings
 from handlers.dispatch import Dispatcher
 from handlers.events import EventService
 from handlers.http import HttpEndpoint
+from handlers.leadership import LeaderGate
 from handlers.modes import ModeState
 from handlers.nodes import NodeCommands
 from handlers.placer import Placer
@@ -94,10 +95,16 @@ class Scheduler:
         tls = None
         if settings.agent_tls_enabled:
             tls = TlsFiles(settings.tls_ca, settings.tls_cert, settings.tls_key)
-        self.leader_term: int | None = None
+        self.leader = LeaderGate(
+            self.etcd, self.layout, self.committer, self.metrics, self.clock,
+            instance_id=settings.instance_id, active_active=settings.active_active,
+            shard_count=settings.shard_count, shard_index=settings.shard_index,
+            lease_ttl_s=settings.leader_lease_ttl_s,
+            renew_deadline_s=settings.leader_renew_deadline_s,
+        )
         self.agents = AgentPool(self.metrics, instance_id=settings.instance_id,
                                 rpc_timeout=settings.agent_rpc_timeout_s, tls=tls,
-                                leader_term=lambda: self.leader_term)
+                                leader_term=lambda: self.leader.term, guard=self.leader.guard)
         self.dispatcher = Dispatcher(pool=self.agents, cluster=self.cluster,
                                      committer=self.committer, writer=self.writer,
                                      clock=self.clock, layout=self.layout,
@@ -154,7 +161,7 @@ class Scheduler:
             "haMode": s.ha_mode,
             "shardIndex": str(s.shard_index),
             "shardCount": str(s.shard_count),
-            "leader": str(self.leader_term is not None).lower(),
+            "leader": str(self.leader.is_leader).lower(),
             "relay": str(relay_status),
         }
 
@@ -170,6 +177,7 @@ class Scheduler:
             if self.relay is not None:
                 self.tasks.start("relay", self.relay.run)
         await self.cluster.wait_ready(timeout=60.0)
+        self.tasks.start("leader", self.leader.run)
         await self._start_grpc()
         await self.http.start(self.settings.grpc_addr, self.settings.metrics_port)
         log.info("scheduler started instance_id=%s grpc_port=%d metrics_port=%d",
@@ -235,7 +243,7 @@ class Scheduler:
             await self.health_servicer.enter_graceful_shutdown()
             await self.grpc_server.stop(grace=2.0)
             self.grpc_server = None
-        await self.tasks.stop("relay")
+        await self.tasks.stop("leader", "relay")
         if self.relay is not None and hasattr(self.relay, "aclose"):
             await self.relay.aclose()
         await self.dispatcher.aclose()

@@ -64,7 +64,7 @@ class ModeSupervisor:
                 type="SchedulerModeChanged", reason=reason, timestamp=now,
                 details={"from": previous, "to": mode, "instance_id": self.instance_id,
                          "changed_at": rfc3339(now)}))
-        if probe.etcd_ok and not probe.initialized:
+        if probe.etcd_ok and probe.has_state and not probe.initialized:
             await self._mark_initialized()
         if self._pending and probe.etcd_ok:
             try:

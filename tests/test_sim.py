@@ -214,9 +214,13 @@ async def test_rejected_registration_backs_off_then_succeeds(
     fake, _ = control
     fake.accept = False
     fleet = await make_fleet(count=2, heartbeat_interval_s=0.05)
-    await wait_for(lambda: len(fake.registers) >= 4, timeout=5, message="two attempts each")
+    # 1 s after the first rejection, 2 s after the second: backoff_s is then 4 s for both.
+    await wait_for(
+        lambda: all(n.control.backoff_s >= 4.0 for n in fleet.nodes),
+        timeout=5,
+        message="two rejected attempts each",
+    )
     assert all(not n.control.registered for n in fleet.nodes)
-    assert all(n.control.backoff_s >= 4.0 for n in fleet.nodes)  # 1 s, then 2 s, doubling
     assert fleet.stats()["control"]["register_rejected"] >= 4
     fake.accept = True
     async with asyncio.timeout(5):
@@ -289,10 +293,12 @@ async def test_apply_is_async_then_running_and_reported_in_heartbeats(
 
     # The same revision again is skipped; a new revision is a new (pending) apply.
     again = await stub.ApplyWorkload(container("w1", cpu_m=500, memory_mb=256), timeout=5)
-    assert again.applied and again.skipped
+    assert again.applied
+    assert again.skipped
     assert again.status.actual_state == agent_pb2.ACTUAL_STATE_RUNNING
     changed = await stub.ApplyWorkload(container("w1", revision="r2"), timeout=5)
-    assert changed.applied and not changed.skipped
+    assert changed.applied
+    assert not changed.skipped
     assert changed.status.actual_state == agent_pb2.ACTUAL_STATE_PENDING
     assert fleet.stats()["applies"] == 3
 
@@ -476,7 +482,8 @@ async def test_crash_makes_rpcs_fail_and_restart_comes_back_on_the_same_port(
         lambda: all(len(fake.heartbeats_of(i)) >= marks[i] + 3 for i in others),
         message="other nodes keep heartbeating",
     )
-    assert len(fake.heartbeats_of(victim.node_id)) == silent_from
+    # At most the heartbeat that was already in flight when the node crashed.
+    assert len(fake.heartbeats_of(victim.node_id)) <= silent_from + 1
     assert fleet.stats()["alive"] == 2
 
     registrations = fake.registered_ids().count(victim.node_id)

@@ -115,9 +115,14 @@ async def test_range_newest_first_and_last(log: RedisEventLog) -> None:
     assert [e.stream_id for e in await log.range("5-1", 3)] == []
     assert [e.stream_id for e in await log.newest(3)] == ["4-1", "5-0", "5-1"]
     first, last = await log.first_entry(), await log.last_entry()
-    assert first is not None and first.stream_id == "1-0"
-    assert last is not None and last.stream_id == "5-1" and last.prev == "5-0"
-    assert last.revision == 5 and last.seq == 1 and last.type == "NodeJoined"
+    assert first is not None
+    assert first.stream_id == "1-0"
+    assert last is not None
+    assert last.stream_id == "5-1"
+    assert last.prev == "5-0"
+    assert last.revision == 5
+    assert last.seq == 1
+    assert last.type == "NodeJoined"
 
 
 async def test_maxlen_is_approximate_and_keeps_the_newest(log: RedisEventLog) -> None:
@@ -126,7 +131,8 @@ async def test_maxlen_is_approximate_and_keeps_the_newest(log: RedisEventLog) ->
     length = await log.length()
     assert 100 <= length < 600
     last = await log.last_entry()
-    assert last is not None and last.stream_id == "600-0"
+    assert last is not None
+    assert last.stream_id == "600-0"
 
 
 async def test_trim_by_age_removes_only_old_entries(log: RedisEventLog, writer) -> None:
@@ -159,10 +165,12 @@ async def test_move_aside_renames_a_foreign_stream(log: RedisEventLog, writer) -
     for _ in range(3):
         await writer.xadd(log.key, {"data": go_shaped})
     top = await log.top()
-    assert top is not None and not top.is_ours
+    assert top is not None
+    assert not top.is_ours
     new_name = await log.move_aside("foreign test stream")
     try:
-        assert new_name is not None and new_name.startswith(f"{log.key}:foreign:")
+        assert new_name is not None
+        assert new_name.startswith(f"{log.key}:foreign:")
         assert await writer.exists(log.key) == 0
         assert await writer.xlen(new_name) == 3
         assert await log.move_aside("nothing left") is None

@@ -1,0 +1,250 @@
+"""Leadership of this replica's shard, and the scope that leader-only work runs in.
+
+The election is the Go version's (``eventsource.election``) under ``/persys/scheduler/leader``
+or ``/persys/scheduler/leader/shard-<i>``. While this replica leads:
+
+* every leader-only etcd write carries the fence (a compare on our election key's create
+  revision and lease), installed on the committer;
+* every leader-only agent RPC is preceded by the renew-deadline check (``guard``) and carries
+  ``x-persys-leader-term``;
+* the loops run as APScheduler jobs whose work is started inside the leadership task group,
+  which is cancelled and awaited the moment leadership is lost, before anything else happens.
+
+Leadership ends when the session's lease is lost, when the renew deadline (monotonic time since
+the *send* of the last successful keepalive) passes, or on shutdown; the replica then
+re-campaigns after a short backoff with a new session (never re-granting a lost lease).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+from eventsource.clock import Clock
+from eventsource.commit import Change, Committer
+from eventsource.election import Election, Leadership, Session
+from eventsource.errors import Conflict, LeaseLost, NotLeader, StoreError
+from eventsource.etcd import AsyncEtcd, Compare
+from eventsource.events import Event
+from eventsource.keys import KeyLayout
+from eventsource.metrics import Metrics
+
+log = logging.getLogger("persys.leader")
+
+
+def owns_node(node_id: str, *, active_active: bool, shard_count: int, shard_index: int) -> bool:
+    """Shard ownership as the Go version: crc32(node id) mod count == index."""
+    if not active_active or shard_count <= 1:
+        return True
+    return zlib.crc32(node_id.strip().encode()) % shard_count == shard_index
+
+
+@dataclass(frozen=True, slots=True)
+class Loop:
+    name: str
+    interval_s: float
+    body: Callable[[], Awaitable[None]]
+
+
+class LeaderGate:
+    """Campaigns, holds and loses leadership; runs the leader-only loops while it leads."""
+
+    def __init__(
+        self,
+        etcd: AsyncEtcd,
+        layout: KeyLayout,
+        committer: Committer,
+        metrics: Metrics,
+        clock: Clock,
+        *,
+        instance_id: str,
+        active_active: bool,
+        shard_count: int,
+        shard_index: int,
+        lease_ttl_s: int,
+        renew_deadline_s: float,
+        recampaign_backoff_s: float = 2.0,
+    ) -> None:
+        self.etcd = etcd
+        self.layout = layout
+        self.committer = committer
+        self.metrics = metrics
+        self.clock = clock
+        self.instance_id = instance_id
+        self.active_active = active_active
+        self.shard_count = shard_count
+        self.shard_index = shard_index
+        self.lease_ttl_s = lease_ttl_s
+        self.renew_deadline_s = renew_deadline_s
+        self.recampaign_backoff_s = recampaign_backoff_s
+        self.prefix = layout.leader_election(active_active=active_active, shard_index=shard_index)
+        self.loops: list[Loop] = []
+        self.leadership: Leadership | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._running: set[str] = set()
+        self._jobs: AsyncIOScheduler | None = None
+        self._shard_label = str(shard_index) if active_active else "all"
+        #: callbacks run right after leadership is gained / lost (e.g. to reset loop state)
+        self.on_gain: list[Callable[[], None]] = []
+        self.on_loss: list[Callable[[], None]] = []
+
+    # -- what others ask --------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.leadership is not None and self.renew_ok()
+
+    @property
+    def term(self) -> int | None:
+        return self.leadership.term if self.leadership is not None else None
+
+    def renew_ok(self) -> bool:
+        lead = self.leadership
+        return lead is not None and lead.held(self.renew_deadline_s)
+
+    def guard(self) -> None:
+        """Raise ``NotLeader`` unless this replica may act as leader right now."""
+        if not self.renew_ok():
+            raise NotLeader("not the leader, or the renew deadline has passed")
+
+    def fence(self) -> list[Compare]:
+        lead = self.leadership
+        if lead is None:
+            raise NotLeader("not the leader")
+        return lead.fence()
+
+    def owns(self, node_id: str) -> bool:
+        return owns_node(node_id, active_active=self.active_active,
+                         shard_count=self.shard_count, shard_index=self.shard_index)
+
+    def add_loop(self, name: str, interval_s: float, body: Callable[[], Awaitable[None]]) -> None:
+        """Register a leader-only loop; it runs at once on gaining leadership, then per interval."""
+        self.loops.append(Loop(name, interval_s, body))
+
+    # -- the leadership task group ----------------------------------------------------------
+    def spawn(self, coro: Awaitable[None], *, name: str) -> asyncio.Task[None]:
+        if self.leadership is None:
+            raise NotLeader("leader-only work started without leadership")
+
+        async def wrapped() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(wrapped(), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _cancel_group(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run_once(self, loop: Loop) -> None:
+        """One cycle of ``loop`` inside the leadership group; never two at once."""
+        if not self.is_leader or loop.name in self._running:
+            return
+        self._running.add(loop.name)
+        try:
+            task = self.spawn(loop.body(), name=f"leader:{loop.name}")
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                log.error("leader loop %s failed: %r", loop.name, task.exception(),
+                          exc_info=task.exception())
+        finally:
+            self._running.discard(loop.name)
+
+    def _start_jobs(self) -> None:
+        jobs = AsyncIOScheduler(timezone=UTC)
+        now = datetime.now(UTC)
+        for loop in self.loops:
+            jobs.add_job(self.run_once, "interval", args=[loop], seconds=loop.interval_s,
+                         next_run_time=now, max_instances=1, coalesce=True,
+                         misfire_grace_time=max(1, int(loop.interval_s)), id=loop.name)
+        jobs.start()
+        self._jobs = jobs
+
+    def _stop_jobs(self) -> None:
+        if self._jobs is not None:
+            self._jobs.shutdown(wait=False)
+            self._jobs = None
+
+    # -- the campaign loop ------------------------------------------------------------------
+    async def run(self) -> None:
+        """Campaign, lead, lose, repeat; returns only when cancelled."""
+        while True:
+            session = Session(self.etcd, ttl=self.lease_ttl_s, clock=self.clock)
+            try:
+                await session.start()
+                election = Election(self.etcd, session, self.prefix, self.instance_id)
+                leadership = await election.campaign()
+                await self._lead(leadership, election, session)
+            except (StoreError, LeaseLost) as exc:
+                log.warning("election %s: %s", self.prefix, exc)
+            finally:
+                await self._demote()
+                try:
+                    await session.close()
+                except StoreError as exc:
+                    log.info("session close: %s", exc)
+            await asyncio.sleep(self.recampaign_backoff_s)
+
+    async def _lead(self, leadership: Leadership, election: Election, session: Session) -> None:
+        self.leadership = leadership
+        self.committer.set_fence(leadership.fence)
+        self.metrics.leader.labels(self._shard_label).set(1)
+        self.metrics.leader_transitions.labels(self._shard_label, "gained").inc()
+        log.warning("leadership gained election_key=%s term=%d instance_id=%s",
+                    leadership.key, leadership.term, self.instance_id)
+        try:
+            await self.committer.commit(Change(kind="leader", events=[Event(
+                type="LeaderElected", reason="leadership gained",
+                details={"instance_id": self.instance_id, "election_key": leadership.key,
+                         "term": str(leadership.term)}, timestamp=self.clock.now())]),
+                fenced=True)
+        except (Conflict, StoreError) as exc:
+            log.warning("LeaderElected not recorded: %s", exc)
+        for callback in self.on_gain:
+            callback()
+        self._start_jobs()
+        check = min(0.25, self.renew_deadline_s / 4)
+        while self.renew_ok():
+            try:
+                await asyncio.wait_for(session.lost.wait(), timeout=check)
+            except TimeoutError:
+                continue
+        log.warning("leadership lost election_key=%s term=%d reason=%s", leadership.key,
+                    leadership.term, session.lost_reason or "renew deadline passed")
+        try:
+            async with asyncio.timeout(2.0):
+                await election.resign()
+        except (StoreError, TimeoutError) as exc:
+            log.info("resign after loss: %s", exc)
+
+    async def _demote(self) -> None:
+        """Stop all leader-only work, then drop the role (called on every exit path)."""
+        lead = self.leadership
+        self._stop_jobs()
+        await self._cancel_group()
+        if lead is None:
+            return
+        self.leadership = None
+        self.committer.set_fence(None)
+        self.metrics.leader.labels(self._shard_label).set(0)
+        self.metrics.leader_transitions.labels(self._shard_label, "lost").inc()
+        for callback in self.on_loss:
+            callback()
+        try:
+            async with asyncio.timeout(2.0):
+                await self.committer.commit(Change(kind="leader", events=[Event(
+                    type="LeaderLost", reason="leadership lost",
+                    details={"instance_id": self.instance_id, "election_key": lead.key,
+                             "term": str(lead.term)}, timestamp=self.clock.now())]))
+        except (Conflict, StoreError, TimeoutError) as exc:
+            log.info("LeaderLost not recorded: %s", exc)

@@ -1,0 +1,154 @@
+"""ApplyWorkload end to end: scheduler + 3 simulated nodes on real etcd and Redis."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from eventsource.etcd import AsyncEtcd
+from eventsource.keys import KeyLayout
+from proto.persys.control.v1 import control_pb2 as pb
+from tests.fixtures.harness import (
+    container_spec,
+    control_stub,
+    make_settings,
+    running_fleet,
+    running_scheduler,
+)
+from tests.fixtures.waiting import wait_for
+
+
+async def test_apply_runs_on_a_simulated_node(etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, 3) as fleet, control_stub(address) as stub:
+            await fleet.wait_registered()
+            nodes = await wait_for(
+                lambda: _ready_nodes(stub, 3), message="3 Ready nodes", timeout=10)
+            assert len(nodes) == 3
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="web-1", spec=container_spec()))
+            assert resp.success, resp.error_message
+
+            async def running() -> bool:
+                w = await stub.GetWorkload(pb.GetWorkloadRequest(workload_id="web-1"))
+                return w.workload.status == "Running"
+
+            await wait_for(running, message="web-1 Running", timeout=10)
+            w = (await stub.GetWorkload(pb.GetWorkloadRequest(workload_id="web-1"))).workload
+            holder = fleet.node(w.assigned_node_id)
+            assert holder.workload_state("web-1") is not None
+
+            async def events() -> set[str]:
+                r = await stub.ListEvents(pb.ListEventsRequest(limit=100))
+                return {e.type for e in r.events}
+
+            seen = await wait_for(
+                lambda: _has(events, {"NodeJoined", "WorkloadScheduled"}), timeout=10,
+                message="NodeJoined and WorkloadScheduled events")
+            assert seen
+
+
+async def _ready_nodes(stub, want):
+    r = await stub.ListNodes(pb.ListNodesRequest())
+    ready = [n for n in r.nodes if n.status == "Ready"]
+    return ready if len(ready) >= want else None
+
+
+async def _has(fetch, wanted):
+    got = await fetch()
+    return got if wanted <= got else None
+
+
+BAD_SPECS = [
+    ("workload_id", pb.ApplyWorkloadRequest(workload_id="", spec=container_spec())),
+    ("spec.resources.cpu_millicores",
+     pb.ApplyWorkloadRequest(workload_id="bad-cpu", spec=container_spec(cpu_m=-1))),
+    ("spec.resources.memory_mb",
+     pb.ApplyWorkloadRequest(workload_id="bad-mem", spec=container_spec(mem_mb=-5))),
+    ("spec.type", pb.ApplyWorkloadRequest(workload_id="bad-type", spec=pb.WorkloadSpec(
+        type="unikernel", container=pb.ContainerSpec(image="x")))),
+    ("spec.container.image", pb.ApplyWorkloadRequest(workload_id="no-image", spec=pb.WorkloadSpec(
+        type="container", container=pb.ContainerSpec()))),
+    ("spec", pb.ApplyWorkloadRequest(workload_id="huge", spec=pb.WorkloadSpec(
+        type="container", container=pb.ContainerSpec(image="x", env={"BIG": "x" * 1_100_000})))),
+]
+
+
+@pytest.mark.parametrize(("field", "request_"), BAD_SPECS, ids=[f for f, _ in BAD_SPECS])
+async def test_bad_input_is_answered_in_band_and_writes_nothing(
+    etcd_server, redis_server, key_root, stream_key, field, request_
+):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched, control_stub(
+        f"127.0.0.1:{sched.grpc_port}"
+    ) as stub:
+        resp = await stub.ApplyWorkload(request_)
+        assert not resp.success
+        assert resp.failure_reason == pb.INVALID_SPEC
+        assert resp.error_message.startswith(field), resp.error_message
+        etcd = AsyncEtcd([etcd_server.endpoint])
+        try:
+            layout = KeyLayout(key_root)
+            for prefix in (layout.specs_prefix, layout.statuses_prefix, layout.outbox_prefix,
+                           layout.assignments_prefix, layout.allocations_prefix):
+                page = await etcd.range_prefix(prefix, count_only=True)
+                assert page.count == 0, prefix
+        finally:
+            etcd.close()
+
+
+async def test_no_node_fits_gives_insufficient_resources(etcd_server, redis_server, key_root,
+                                                         stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, 2) as fleet, control_stub(address) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: _ready_nodes(stub, 2), timeout=10)
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="giant", spec=container_spec(cpu_m=10_000_000)))
+            assert not resp.success
+            assert resp.failure_reason == pb.INSUFFICIENT_RESOURCES
+            assert "insufficient cpu" in resp.error_message
+            assert "sim-node-00001" in resp.error_message
+
+
+async def test_reflection_lists_the_control_service(etcd_server, key_root, stream_key):
+    settings = make_settings(etcd_server, None, key_root, stream_key)
+    async with running_scheduler(settings) as sched:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{sched.grpc_port}")
+        try:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+            async def requests():
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+                yield reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="persys.control.v1.AgentControl")
+
+            answers = [a async for a in stub.ServerReflectionInfo(requests())]
+            names = {s.name for s in answers[0].list_services_response.service}
+            assert "persys.control.v1.AgentControl" in names
+            from google.protobuf import descriptor_pb2
+
+            files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+                     for raw in answers[1].file_descriptor_response.file_descriptor_proto]
+            methods = {m.name for f in files for s in f.service if s.name == "AgentControl"
+                       for m in s.method}
+            assert {"RegisterNode", "Heartbeat", "ApplyWorkload", "WatchEvents",
+                    "ListEvents", "CreateBucket"} <= methods
+        finally:
+            await channel.close()
+
+
+async def test_events_without_redis_fail_precondition(etcd_server, key_root, stream_key):
+    settings = make_settings(etcd_server, None, key_root, stream_key)
+    async with running_scheduler(settings) as sched, control_stub(
+        f"127.0.0.1:{sched.grpc_port}"
+    ) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListEvents(pb.ListEventsRequest())
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "REDIS_ADDR" in err.value.details()
