@@ -195,6 +195,8 @@ class Scheduler:
             clock=self.clock, max_entries=self.settings.redis_event_max_entries,
             ttl_ms=int(self.settings.redis_event_ttl_s * 1000),
             outbox_max=self.settings.event_outbox_max, instance_id=self.settings.instance_id,
+            lease_ttl=self.settings.leader_lease_ttl_s,
+            renew_deadline=self.settings.leader_renew_deadline_s,
         )
 
     async def _start_grpc(self) -> None:

@@ -172,8 +172,15 @@ class PrefixProjection(Generic[R]):
 
     async def run(self) -> None:
         """List, then follow; never returns unless cancelled."""
+        await self._follow(need_list=True)
+
+    async def run_from(self, revision: int) -> None:
+        """Follow from ``revision + 1`` after a ``load`` taken at ``revision`` (replay, tests)."""
+        self.revision = revision
+        await self._follow(need_list=False)
+
+    async def _follow(self, *, need_list: bool) -> None:
         backoff = 0.2
-        need_list = True
         while True:
             try:
                 if need_list:

@@ -92,10 +92,14 @@ async def test_bad_input_is_answered_in_band_and_writes_nothing(
         etcd = AsyncEtcd([etcd_server.endpoint])
         try:
             layout = KeyLayout(key_root)
-            for prefix in (layout.specs_prefix, layout.statuses_prefix, layout.outbox_prefix,
+            for prefix in (layout.specs_prefix, layout.statuses_prefix,
                            layout.assignments_prefix, layout.allocations_prefix):
                 page = await etcd.range_prefix(prefix, count_only=True)
                 assert page.count == 0, prefix
+            outbox, _ = await etcd.list_prefix(layout.outbox_prefix)
+            assert not [kv for kv in outbox if b"Workload" in kv.value]
+            events = await stub.ListEvents(pb.ListEventsRequest(limit=1000))
+            assert not [e for e in events.events if e.type.startswith("Workload")]
         finally:
             etcd.close()
 

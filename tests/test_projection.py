@@ -1,0 +1,77 @@
+"""Projections over real etcd: list at R, watch from R+1, re-list after compaction."""
+
+from __future__ import annotations
+
+import asyncio
+
+from eventsource.etcd import AsyncEtcd, Delete, Put
+from eventsource.keys import KeyLayout
+from eventsource.metrics import Metrics
+from eventsource.records import Node, decode, encode
+from ops.devstack import etcd_compact
+from projections.prefix import PrefixProjection
+from tests.fixtures.waiting import wait_for
+
+
+def _node(node_id: str, cpu: float = 1.0) -> bytes:
+    return encode(Node(node_id=node_id, status="Ready", total_cpu=cpu))
+
+
+async def test_projection_follows_puts_deletes_and_survives_an_etcd_restart(etcd_private, key_root):
+    etcd = AsyncEtcd([etcd_private.endpoint])
+    layout = KeyLayout(key_root)
+    metrics = Metrics()
+    projection: PrefixProjection[Node] = PrefixProjection(
+        etcd, layout.nodes_prefix, lambda _id, raw: decode(Node, raw), name="nodes",
+        metrics=metrics, key_filter=lambda item_id: "/" not in item_id)
+    for i in range(5):
+        await etcd.txn([], [Put(layout.node(f"n{i}"), _node(f"n{i}"))])
+    task = asyncio.create_task(projection.run())
+    try:
+        await wait_for(lambda: len(projection.items) == 5, message="initial list")
+        await etcd.txn([], [Put(layout.node("n5"), _node("n5"))])
+        await wait_for(lambda: "n5" in projection.items, message="watched put")
+        # a status sub-key is not a node
+        await etcd.txn([], [Put(layout.node_status("n5"), b"Ready")])
+        # etcd restarts under the watch: the projection resumes from its last revision
+        etcd_private.kill()
+        etcd_private.restart()
+        for i in range(6, 30):
+            await etcd.txn([], [Put(layout.node(f"n{i}"), _node(f"n{i}"))])
+        await etcd.txn([], [Delete(layout.node("n0"))])
+        revision = await etcd.current_revision()
+        await wait_for(lambda: projection.revision >= revision, message="caught up")
+        assert set(projection.items) == {f"n{i}" for i in range(1, 30)}
+        assert "n5/status" not in projection.items
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        etcd.close()
+
+
+async def test_relist_after_watch_start_revision_was_compacted(etcd_server, key_root):
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    layout = KeyLayout(key_root)
+    projection: PrefixProjection[Node] = PrefixProjection(
+        etcd, layout.nodes_prefix, lambda _id, raw: decode(Node, raw), name="nodes",
+        metrics=Metrics())
+    try:
+        await etcd.txn([], [Put(layout.node("a"), _node("a"))])
+        kvs, listed_at = await etcd.list_prefix(layout.nodes_prefix)
+        projection.load(kvs, listed_at)
+        # the world moves on and etcd compacts past the listing revision
+        await etcd.txn([], [Put(layout.node("b"), _node("b", 2.0))])
+        await etcd.txn([], [Delete(layout.node("a"))])
+        current = await etcd.current_revision()
+        etcd_compact(etcd_server.url, current)
+        task = asyncio.create_task(projection.run_from(listed_at))
+        try:
+            await wait_for(lambda: projection.restarts >= 1, message="compaction noticed")
+            await wait_for(lambda: set(projection.items) == {"b"}, message="re-listed")
+            assert projection.items["b"].value.total_cpu == 2.0
+            assert projection.revision >= current
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    finally:
+        etcd.close()
