@@ -164,6 +164,16 @@ class Session:
                 log.warning("lease %x lost: %s", self._lease_id, reason)
 
     async def _keepalive(self) -> None:
+        """The owned task: renew until the lease is lost; any failure marks it lost."""
+        try:
+            await self._renew_until_lost()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._mark_lost(f"keepalive task failed: {exc!r}")
+            raise
+
+    async def _renew_until_lost(self) -> None:
         interval = self.ttl / 3.0
         delay = interval
         while True:

@@ -301,10 +301,6 @@ def plan_append(
 # -- the relay ----------------------------------------------------------------------------------
 
 
-class _Resync(Exception):
-    """Internal: state changed under the relay (e.g. records dropped); list again."""
-
-
 AfterAppend = Callable[[Sequence[str]], Awaitable[None]]
 
 
@@ -358,6 +354,7 @@ class Relay:
         self._closing = asyncio.Event()
         self._done = asyncio.Event()
         self._running = False
+        self._led = False
         #: the term (election key create revision) while leading, else 0
         self.term = 0
         # per-leadership view of the stream and the mark (rebuilt by _prepare)
@@ -374,7 +371,11 @@ class Relay:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Campaign, relay while leading, re-campaign after a loss; returns after ``aclose``."""
+        """Campaign, relay while leading, re-campaign after a loss; returns after ``aclose``.
+
+        Store failures (etcd, Redis, lost lease or fence) are handled here and never end the
+        loop; anything else is a bug and propagates to the owner's task guard.
+        """
         if self._running or self._closing.is_set():
             raise RuntimeError("relay already running or closed")
         self._running = True
@@ -382,6 +383,7 @@ class Relay:
         delay = self._retry_min
         try:
             while not self._closing.is_set():
+                self._led = False
                 try:
                     finished = await _race(self._term(), self._closing)
                 except StoreError as exc:
@@ -389,8 +391,9 @@ class Relay:
                     finished = True
                 if not finished:
                     break
+                # a term that led ended by a loss: campaign again promptly; else back off
+                delay = self._retry_min if self._led else min(delay * 2, self._retry_max)
                 await _race(asyncio.sleep(delay), self._closing)
-                delay = min(delay * 2, self._retry_max)
         finally:
             self._status = "stopped"
             self.term = 0
@@ -416,7 +419,7 @@ class Relay:
                 poll_interval=self._election_poll,
             )
             lead = await election.campaign()
-            self._status, self.term = "leader", lead.term
+            self._status, self.term, self._led = "leader", lead.term, True
             log.info("relay %s leads (term %d)", self.instance_id, lead.term)
             try:
                 if not await _race(self._lead(lead), session.lost):
@@ -460,8 +463,6 @@ class Relay:
             except (StreamIdConflict, StreamWrongType) as exc:
                 log.warning("relay: stream %s cannot take our ids: %s", self._log.key, exc)
                 self._force_aside = str(exc)
-                delay = self._retry_min
-            except _Resync:
                 delay = self._retry_min
             except Conflict as exc:
                 log.info("relay: mark changed underneath, re-reading: %s", exc)

@@ -655,6 +655,8 @@ class StreamTailer:
         """
         if self._closed or self._task is None:
             raise RuntimeError("tailer not running")
+        if self._task.done():
+            raise RedisUnavailable("event stream tailer has stopped")
         async with self._lock:
             if self._cursor is None:
                 top = await self._log.top()
@@ -677,6 +679,17 @@ class StreamTailer:
             sub._end(error)
 
     async def _run(self) -> None:
+        """The owned task; if it ever fails, its subscribers learn it instead of hanging."""
+        try:
+            await self._read_and_fan_out()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.exception("stream tailer %s failed", self.stream_key)
+            self._end_all(RedisUnavailable(f"event stream tailer failed: {exc!r}"))
+            raise
+
+    async def _read_and_fan_out(self) -> None:
         block_ms = int(self.block_s * 1000)
         while not self._closed:
             if not self._subs:

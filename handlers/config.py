@@ -101,6 +101,8 @@ class Settings:
     leader_lease_ttl_s: int = 15
     leader_renew_deadline_s: float = 10.0
     allow_empty_state: bool = False
+    dns_enabled: bool = True
+    dns_lease_ttl_s: int = 15
     max_spec_bytes: int = 1024 * 1024
     instance_id: str = field(default_factory=default_instance_id)
     log_level: str = "info"
@@ -246,6 +248,8 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         leader_lease_ttl_s=lease_ttl,
         leader_renew_deadline_s=renew,
         allow_empty_state=r.bool("SCHEDULER_ALLOW_EMPTY_STATE", False),
+        dns_enabled=r.bool("SCHEDULER_DNS_REGISTRATION", True),
+        dns_lease_ttl_s=r.int("SCHEDULER_DNS_LEASE_TTL", 15, minimum=2, maximum=3600),
         instance_id=r.str("SCHEDULER_INSTANCE_ID", "") or default_instance_id(),
         log_level=r.str("LOG_LEVEL", "info").lower(),
         log_format=r.str("LOG_FORMAT", "json").lower(),

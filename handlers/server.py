@@ -26,6 +26,7 @@ from eventsource.stream import RedisEventLog, StreamTailer, writer_client
 from handlers.agents import AgentPool, TlsFiles
 from handlers.config import Settings
 from handlers.dispatch import Dispatcher
+from handlers.dns import DnsRegistration, advertise_ip
 from handlers.events import EventService
 from handlers.http import HttpEndpoint
 from handlers.leadership import LeaderGate
@@ -141,6 +142,7 @@ class Scheduler:
         self.http = HttpEndpoint(self.metrics.registry, self.health)
         self.tasks = TaskOwner()
         self.grpc_server: grpc.aio.Server | None = None
+        self.dns: DnsRegistration | None = None
         self.grpc_port = 0
         self.health_servicer = health.aio.HealthServicer()
 
@@ -180,6 +182,16 @@ class Scheduler:
         self.tasks.start("leader", self.leader.run)
         await self._start_grpc()
         await self.http.start(self.settings.grpc_addr, self.settings.metrics_port)
+        if self.settings.dns_enabled:
+            port = self.settings.advertise_port
+            if not port or port == self.settings.grpc_port:
+                port = self.grpc_port
+            self.dns = DnsRegistration(
+                self.etcd, self.layout, domain=self.settings.domain,
+                instance_id=self.settings.instance_id,
+                host=advertise_ip(self.settings.advertise_ip), port=port,
+                ttl_s=self.settings.dns_lease_ttl_s)
+            self.tasks.start("dns", self.dns.run)
         log.info("scheduler started instance_id=%s grpc_port=%d metrics_port=%d",
                  self.settings.instance_id, self.grpc_port, self.http.port)
 
@@ -245,7 +257,9 @@ class Scheduler:
             await self.health_servicer.enter_graceful_shutdown()
             await self.grpc_server.stop(grace=2.0)
             self.grpc_server = None
-        await self.tasks.stop("leader", "relay")
+        await self.tasks.stop("leader", "relay", "dns")
+        if self.dns is not None:
+            await self.dns.deregister()
         if self.relay is not None and hasattr(self.relay, "aclose"):
             await self.relay.aclose()
         await self.dispatcher.aclose()

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from eventsource.clock import SystemClock
 from eventsource.commit import Change, Committer
+from eventsource.election import observe_leader
 from eventsource.etcd import AsyncEtcd
 from eventsource.events import Event, StreamEntry
 from eventsource.keys import KeyLayout
@@ -353,6 +354,26 @@ async def test_only_the_election_holder_relays_and_the_other_takes_over(
     expected += await commit(committer, 10)
     await wait_for(lambda: relayed(log, etcd, layout, 20), message="no takeover")
     assert standby.status == "leader"
+    entries = await everything(log)
+    assert [e.stream_id for e in entries] == expected
+    assert_chain(entries)
+
+
+async def test_relay_that_loses_its_lease_stops_and_campaigns_again(
+    etcd, layout, metrics, committer, relays, log
+) -> None:
+    relay, _ = relays.start(log)
+    expected = await commit(committer, 5)
+    await wait_for(lambda: relayed(log, etcd, layout, 5), message="events not relayed")
+    old_term = relay.term
+    holder = await observe_leader(etcd, layout.relay_election)
+    assert holder is not None
+    assert holder.value == relay.instance_id.encode()
+    await etcd.lease_revoke(holder.lease)  # the lease vanishes behind the relay's back
+    await wait_for(lambda: relay.term not in (0, old_term), message="relay did not come back")
+    assert relay.status == "leader"
+    expected += await commit(committer, 5)
+    await wait_for(lambda: relayed(log, etcd, layout, 10), message="events not relayed")
     entries = await everything(log)
     assert [e.stream_id for e in entries] == expected
     assert_chain(entries)

@@ -1,0 +1,129 @@
+"""Counting etcd writes in a window, from a watch on the scheduler's key root.
+
+Why a watch: it sees every key any writer changed, whatever the writer exports, so the same
+count works against any persys-compatible scheduler; and the window is exact in revisions (from
+the revision at ``start()`` to the one at ``stop()``), not in wall-clock guesses.
+
+Keys are grouped by prefix: the first path segment (``/nodes/``, ``/workloads-status/`` ...), or
+the first three under ``/persys/scheduler/`` (``/persys/scheduler/alive/``). A scenario that
+must attribute writes to a writer (records carry the writer's instance id) passes ``on_event``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from eventsource.errors import StoreError
+from eventsource.watch import WatchEvent, WatchStream
+from ops.devstack import EtcdError, etcd_revision
+
+log = logging.getLogger("persys.bench.watch")
+
+
+def key_group(key: str, root: str = "") -> str:
+    """The prefix a key is counted under (see the module docstring)."""
+    path = key[len(root):] if root and key.startswith(root) else key
+    parts = path.split("/")
+    # "/a/b/c" -> ["", "a", "b", "c"]
+    if len(parts) > 3 and parts[1] == "persys" and parts[2] == "scheduler":
+        return "/" + "/".join(parts[1:4]) + "/"
+    if len(parts) > 2:
+        return f"/{parts[1]}/"
+    return path
+
+
+class WriteCounter:
+    """Puts and deletes under ``root`` between ``start()`` and ``stop()``.
+
+    Args:
+        etcd_url: ``http://host:port`` of the etcd JSON gateway.
+        root: the scheduler's key root ('' for the whole keyspace).
+        on_event: called with every event inside the window (e.g. to read a writer id).
+    """
+
+    def __init__(self, etcd_url: str, root: str = "", *,
+                 on_event: Callable[[WatchEvent], None] | None = None) -> None:
+        self.etcd_url = etcd_url.rstrip("/")
+        self.root = root
+        self.on_event = on_event
+        self.by_group: Counter[str] = Counter()
+        self.puts = 0
+        self.deletes = 0
+        self.start_revision = 0
+        self.end_revision = 0
+        self.error = ""
+        self._stream: WatchStream | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._end = 0
+
+    @property
+    def writes(self) -> int:
+        return self.puts + self.deletes
+
+    async def start(self) -> None:
+        """Begin counting at the next revision."""
+        current = await asyncio.to_thread(etcd_revision, self.etcd_url)
+        self.start_revision = current + 1
+        # every key of the layout starts with "<root>/"
+        self._stream = WatchStream(self.etcd_url, f"{self.root}/", self.start_revision,
+                                   read_timeout=10.0)
+        self._task = asyncio.get_running_loop().create_task(self._consume(),
+                                                            name="bench-etcd-watch")
+
+    async def _consume(self) -> None:
+        assert self._stream is not None
+        try:
+            async for batch in self._stream:
+                for event in batch.events:
+                    rev = event.kv.mod_revision
+                    if self._end and rev > self._end:
+                        continue
+                    self._count(event)
+        except StoreError as exc:
+            self.error = f"etcd watch failed: {exc!r}"
+
+    def _count(self, event: WatchEvent) -> None:
+        key = event.kv.key.decode("utf-8", errors="replace")
+        if event.deleted:
+            self.deletes += 1
+        else:
+            self.puts += 1
+        self.by_group[key_group(key, self.root)] += 1
+        if self.on_event is not None:
+            self.on_event(event)
+
+    async def stop(self, *, settle_s: float = 5.0) -> None:
+        """End the window at the current revision and wait (up to ``settle_s``) until the watch
+        has delivered it; then stop the watch."""
+        try:
+            self._end = await asyncio.to_thread(etcd_revision, self.etcd_url)
+        except (OSError, EtcdError) as exc:
+            self.error = self.error or f"could not read the end revision: {exc!r}"
+        self.end_revision = self._end
+        stream = self._stream
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settle_s
+        while (stream is not None and self._end and stream.last_revision < self._end
+               and self._task is not None and not self._task.done()
+               and loop.time() < deadline):
+            await asyncio.sleep(0.05)
+        if stream is not None and self._end and stream.last_revision < self._end:
+            self.error = self.error or (
+                f"the watch reached revision {stream.last_revision} of {self._end} within "
+                f"{settle_s:g}s; the count may be short")
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the watch and its task (idempotent)."""
+        stream, self._stream = self._stream, None
+        task, self._task = self._task, None
+        if stream is not None:
+            stream.close()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
