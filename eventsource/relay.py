@@ -30,7 +30,10 @@ Invariants:
   every record up to a revision >= P's has been relayed. It takes the id ``<P.rev>-<P.seq+1>``.
   This id is above everything in the stream, and no real event can ever take it: the feed is
   ordered, so at a boundary no record of revision P.rev is still to come, and real events of
-  later revisions sort above it. Several gaps in a row take consecutive seqs.
+  later revisions sort above it. Several gaps in a row take consecutive seqs. P includes the
+  mark because records at or below it are gone from the outbox. A gap's ``eventId`` is stable
+  (stored with the owed gap, or derived from the lost range), so re-appending it after a crash
+  is recognised like any other entry.
 * Foreign streams (top entry without ``eventId``, a key that is not a stream, or a top whose
   revision is ahead of etcd) are renamed aside with a warning and ``foreign_streams``, never
   appended to. An id conflict at append time is treated the same way.

@@ -108,3 +108,20 @@ def event_view(entry: StreamEntry) -> control_pb2.SchedulerEventView:
         view.details["event_id"] = entry.event_id
     set_time(view.timestamp, entry.timestamp)
     return view
+
+
+def disk_view(record: dict[str, Any]) -> control_pb2.DiskView:
+    view = control_pb2.DiskView(
+        id=str(record.get("id", "")), name=str(record.get("name", "")),
+        driver=str(record.get("driver", "")), size_gb=int(record.get("sizeGb", 0) or 0),
+        fs_type=str(record.get("fsType", "")), access_mode=str(record.get("accessMode", "")),
+        retain_policy=str(record.get("retainPolicy", "")), phase=str(record.get("phase", "")),
+        last_error=str(record.get("lastError", "")), node_id=str(record.get("nodeId", "")),
+        device=str(record.get("device", "")), standalone=bool(record.get("standalone", False)),
+        mount_path=str(record.get("mountPath", "")),
+        workload_refs=[str(r) for r in record.get("workloadRefs") or []],
+        attached_nodes=[str(n) for n in record.get("attachedNodes") or []],
+    )
+    set_time(view.created_at, str(record.get("createdAt", "")))
+    set_time(view.updated_at, str(record.get("updatedAt", "")))
+    return view

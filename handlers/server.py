@@ -25,6 +25,7 @@ from eventsource.metrics import Metrics
 from eventsource.stream import RedisEventLog, StreamTailer, writer_client
 from handlers.agents import AgentPool, TlsFiles
 from handlers.config import Settings
+from handlers.disks import DiskCommands
 from handlers.dispatch import Dispatcher
 from handlers.dns import DnsRegistration, advertise_ip
 from handlers.events import EventService
@@ -138,7 +139,9 @@ class Scheduler:
         self.servicer = ControlServicer(settings=settings, cluster=self.cluster, nodes=self.nodes,
                                         workloads=self.workloads, usage=self.usage,
                                         events=self.events, mode=self.mode,
-                                        metrics=self.metrics)
+                                        metrics=self.metrics,
+                                        disks=DiskCommands(self.etcd, self.committer,
+                                                           self.layout, self.clock))
         self.http = HttpEndpoint(self.metrics.registry, self.health)
         self.tasks = TaskOwner()
         self.grpc_server: grpc.aio.Server | None = None

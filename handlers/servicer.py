@@ -19,7 +19,8 @@ import grpc
 from eventsource.errors import Conflict, StoreError
 from eventsource.metrics import Metrics
 from handlers.config import Settings
-from handlers.convert import node_view, workload_view
+from handlers.convert import disk_view, node_view, workload_view
+from handlers.disks import DiskCommands, DiskError, DiskRequest
 from handlers.modes import ModeState
 from handlers.nodes import NodeCommands
 from handlers.specs import InvalidSpec, parse_apply, spec_size, validate_id
@@ -57,7 +58,9 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         events: EventQueries | None,
         mode: ModeState,
         metrics: Metrics,
+        disks: DiskCommands | None = None,
     ) -> None:
+        self.disks = disks
         self.settings = settings
         self.cluster = cluster
         self.nodes = nodes
@@ -437,17 +440,66 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             f"{feature} is not implemented yet in this scheduler")
 
-    async def CreateDisk(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the disk API (CreateDisk)")
+    async def _disk_call(self, context: grpc.aio.ServicerContext, body: Any,
+                         *, mutating: bool) -> Any:
+        if self.disks is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the disk API is not configured")
+        if mutating:
+            await self._require_writable(context)
+        try:
+            return await body()
+        except DiskError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd: {exc}")
 
-    async def ListDisks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the disk API (ListDisks)")
+    async def CreateDisk(self, request: control_pb2.CreateDiskRequest,
+                         context: grpc.aio.ServicerContext) -> control_pb2.CreateDiskResponse:
+        async def body() -> control_pb2.CreateDiskResponse:
+            assert self.disks is not None
+            record = await self.disks.create(DiskRequest(
+                name=request.name, driver=request.driver, size_gb=request.size_gb,
+                fs_type=request.fs_type, access_mode=request.access_mode,
+                retain_policy=request.retain_policy, node_id=request.node_id,
+                mount_path=request.mount_path))
+            return control_pb2.CreateDiskResponse(disk=disk_view(record))
 
-    async def GetDisk(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the disk API (GetDisk)")
+        result: control_pb2.CreateDiskResponse = await self._disk_call(context, body,
+                                                                       mutating=True)
+        return result
 
-    async def DeleteDisk(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the disk API (DeleteDisk)")
+    async def ListDisks(self, request: control_pb2.ListDisksRequest,
+                        context: grpc.aio.ServicerContext) -> control_pb2.ListDisksResponse:
+        async def body() -> control_pb2.ListDisksResponse:
+            assert self.disks is not None
+            return control_pb2.ListDisksResponse(
+                disks=[disk_view(r) for r in await self.disks.list()])
+
+        result: control_pb2.ListDisksResponse = await self._disk_call(context, body,
+                                                                      mutating=False)
+        return result
+
+    async def GetDisk(self, request: control_pb2.GetDiskRequest,
+                      context: grpc.aio.ServicerContext) -> control_pb2.GetDiskResponse:
+        async def body() -> control_pb2.GetDiskResponse:
+            assert self.disks is not None
+            _, record = await self.disks.get(request.disk_id)
+            return control_pb2.GetDiskResponse(disk=disk_view(record))
+
+        result: control_pb2.GetDiskResponse = await self._disk_call(context, body,
+                                                                    mutating=False)
+        return result
+
+    async def DeleteDisk(self, request: control_pb2.DeleteDiskRequest,
+                         context: grpc.aio.ServicerContext) -> control_pb2.DeleteDiskResponse:
+        async def body() -> control_pb2.DeleteDiskResponse:
+            assert self.disks is not None
+            await self.disks.delete(request.disk_id, force=request.force)
+            return control_pb2.DeleteDiskResponse(success=True)
+
+        result: control_pb2.DeleteDiskResponse = await self._disk_call(context, body,
+                                                                       mutating=True)
+        return result
 
     async def CreateBucket(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._unimplemented(context, "the Ceph RGW bucket API (CreateBucket)")

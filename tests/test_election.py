@@ -114,10 +114,10 @@ async def test_failover_when_the_leader_lease_expires(etcd, prefix, sessions, ke
     assert await still_waiting(waiting)
     started = time.monotonic()
     await first.close(revoke=False)  # what a crash looks like: the lease runs out
-    async with asyncio.timeout(TTL + 2):
+    async with asyncio.timeout(TTL + 3):
         new = await waiting
-    # ARCHITECTURE 4: about TTL + 1 s (expiry check + campaign)
-    assert time.monotonic() - started < TTL + 1.5
+    # ARCHITECTURE 4: about TTL + 1 s (etcd's expiry check + the campaign); slack for load
+    assert time.monotonic() - started < TTL + 2
     assert not await fenced_put(etcd, old, f"{key_root}/fenced")
     assert await fenced_put(etcd, new, f"{key_root}/fenced")
 

@@ -1,0 +1,338 @@
+"""The system under test: started by the bench, or pointed at, and always stopped.
+
+Why a separate simulator process: a scheduler holding 5,000 agent channels and a 5,000-node
+fleet in one process would sit near this machine's 20,000 open-file limit (BENCH.md facts), and
+the CPU each side burns would be indistinguishable. So by default the fleet is
+``persys-scheduler sim --stats-port P`` in its own process and the bench reads its counters over
+``GET /stats``. A scenario that must act on agents directly (``churn`` kills workloads, which
+``/stats`` cannot do) runs the fleet in the bench process instead (``fleet_in_process``).
+
+What the bench starts (private etcd and Redis from ``ops.devstack``, ``--replicas`` scheduler
+processes, the fleet) it stops in reverse order in ``stop()``, which is safe to call after any
+partial ``start()``; the caller calls it in a ``finally``. Children run in their own sessions,
+so a Ctrl-C at the terminal reaches the bench only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ops.benchlib.httpget import HttpError, get_json, http_get
+from ops.benchlib.procs import Child
+from ops.benchlib.promtext import MetricsSnapshot
+from ops.devstack import EtcdProcess, RedisProcess, free_port
+
+HOST = "127.0.0.1"
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class StackError(RuntimeError):
+    """Something the bench started did not come up (the message carries its log tail)."""
+
+
+@dataclass
+class StackOptions:
+    """How to build or reach the system under test."""
+
+    nodes: int
+    replicas: int = 1
+    #: "shards": active-active, one shard per replica; "failover": replicas of one shard.
+    ha: str = "shards"
+    heartbeat_interval_s: int = 10
+    reconcile_interval_s: float = 5.0
+    apply_latency_s: float = 0.2
+    seed: int | None = None
+    fleet_in_process: bool = False
+    #: External target (``--scheduler``/``--metrics``/``--etcd``): nothing of it is started.
+    scheduler_addrs: list[str] = field(default_factory=list)
+    metrics_addrs: list[str] = field(default_factory=list)
+    scheduler_pids: list[int] = field(default_factory=list)
+    etcd_url: str = ""
+    etcd_root: str = ""
+    keep: bool = False
+    startup_timeout_s: float = 120.0
+
+    @property
+    def external(self) -> bool:
+        return bool(self.scheduler_addrs)
+
+
+class Stack:
+    """The running system: addresses, processes and the fleet's counters."""
+
+    def __init__(self, options: StackOptions) -> None:
+        self.options = options
+        self.workdir = Path(tempfile.mkdtemp(prefix="persys-bench-"))
+        self.grpc_addrs: list[str] = list(options.scheduler_addrs)
+        self.metrics_addrs: list[str] = list(options.metrics_addrs)
+        self.etcd_url = options.etcd_url
+        self.etcd_root = options.etcd_root
+        #: Scheduler processes by name ("scheduler-0" ...), for RSS and CPU accounting.
+        self.scheduler_pids: dict[str, int] = {
+            f"scheduler-{i}": pid for i, pid in enumerate(options.scheduler_pids)}
+        self.schedulers: list[Child] = []
+        self.sim: Child | None = None
+        self.sim_stats_addr = ""
+        self.fleet: Any = None  # ops.sim.Fleet when in process (imported lazily)
+        self._etcd: EtcdProcess | None = None
+        self._redis: RedisProcess | None = None
+        self._failed = False
+
+    @property
+    def managed(self) -> bool:
+        """Whether the bench started the schedulers (and may kill or measure them)."""
+        return not self.options.external
+
+    # -- start ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bring everything up and wait until the fleet is registered and visible via the API."""
+        try:
+            if self.managed:
+                self._start_stores()
+                await self._start_schedulers()
+            await self._start_fleet()
+            await self._wait_registered()
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _start_stores(self) -> None:
+        # Blocking, but short; a Ctrl-C meanwhile is delivered once they are up and recorded,
+        # so stop() still finds and stops them.
+        self._etcd = EtcdProcess()
+        self._etcd.start(self.workdir / "etcd")
+        self.etcd_url = self._etcd.url
+        self._redis = RedisProcess()
+        self._redis.start(self.workdir / "redis", appendonly=True)
+
+    def _scheduler_env(self, index: int, grpc_port: int, metrics_port: int) -> dict[str, str]:
+        o = self.options
+        assert self._etcd is not None and self._redis is not None
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SCHEDULER_", "ETCD_"))}
+        env.update({
+            "GRPC_PORT": str(grpc_port),
+            "METRICS_PORT": str(metrics_port),
+            "PERSYS_GRPC_ADDR": HOST,
+            "ETCD_ENDPOINTS": self._etcd.endpoint,
+            "REDIS_ADDR": self._redis.addr,
+            "SCHEDULER_INSTANCE_ID": f"bench-{index}",
+            "SCHEDULER_HEARTBEAT_INTERVAL": str(o.heartbeat_interval_s),
+            "SCHEDULER_NODE_LEASE_TTL": str(max(30, 3 * o.heartbeat_interval_s)),
+            "SCHEDULER_RECONCILE_INTERVAL": f"{o.reconcile_interval_s:g}",
+            "LOG_LEVEL": "warning",
+            "PYTHONUNBUFFERED": "1",
+        })
+        if o.ha == "shards" and o.replicas > 1:
+            env.update({
+                "SCHEDULER_HA_MODE": "active-active",
+                "SCHEDULER_SHARD_COUNT": str(o.replicas),
+                "SCHEDULER_SHARD_INDEX": str(index),
+            })
+        else:
+            env["SCHEDULER_HA_MODE"] = "failover"
+        return env
+
+    async def _start_schedulers(self) -> None:
+        for i in range(self.options.replicas):
+            grpc_port, metrics_port = free_port(), free_port()
+            child = Child(
+                f"scheduler-{i}",
+                [sys.executable, "-m", "ops.cli", "serve", "-insecure"],
+                env=self._scheduler_env(i, grpc_port, metrics_port),
+                log=self.workdir / f"scheduler-{i}.log",
+                cwd=_PROJECT_ROOT,
+            )
+            self.schedulers.append(child)
+            self.grpc_addrs.append(f"{HOST}:{grpc_port}")
+            self.metrics_addrs.append(f"{HOST}:{metrics_port}")
+            self.scheduler_pids[child.name] = child.pid
+        await asyncio.gather(*(self._wait_healthy(c, a)
+                               for c, a in zip(self.schedulers, self.metrics_addrs, strict=True)))
+        await self._wait_leaders()
+
+    async def _wait_healthy(self, child: Child, metrics_addr: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.startup_timeout_s
+        while True:
+            if not child.running():
+                raise StackError(f"{child.name} exited with {child.proc.returncode} before it "
+                                 f"served /health:\n{child.tail()}")
+            try:
+                await get_json(metrics_addr, "/health", timeout=2.0)
+                return
+            except (OSError, HttpError):
+                pass
+            if loop.time() > deadline:
+                raise StackError(f"{child.name} did not serve /health within "
+                                 f"{self.options.startup_timeout_s:g}s:\n{child.tail()}")
+            await asyncio.sleep(0.1)
+
+    async def _wait_leaders(self, timeout: float = 60.0) -> None:
+        """Shards: every replica leads its shard; failover: one replica leads."""
+        want = self.options.replicas if self.options.ha == "shards" else 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            leaders = sum(1 for h in await self.health() if h.get("leader") == "true")
+            if leaders >= want:
+                return
+            if loop.time() > deadline:
+                raise StackError(f"{leaders} of {want} expected leaders after {timeout:g}s")
+            await asyncio.sleep(0.2)
+
+    async def _start_fleet(self) -> None:
+        o = self.options
+        if o.fleet_in_process:
+            from ops.sim import Fleet, NodeBehaviour
+
+            _raise_fd_limit(2 * o.nodes + 512)
+            self.fleet = Fleet(self.grpc_addrs[0], count=o.nodes,
+                               behaviour=NodeBehaviour(apply_latency_s=o.apply_latency_s),
+                               seed=o.seed)
+            await self.fleet.start()
+            return
+        port = free_port()
+        argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", self.grpc_addrs[0],
+                "--nodes", str(o.nodes), "--stats-port", str(port), "--report-every", "0",
+                "--apply-latency", f"{o.apply_latency_s:g}"]
+        if o.seed is not None:
+            argv += ["--seed", str(o.seed)]
+        self.sim = Child("sim", argv, env=dict(os.environ), log=self.workdir / "sim.log",
+                         cwd=_PROJECT_ROOT)
+        self.sim_stats_addr = f"{HOST}:{port}"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + o.startup_timeout_s
+        while True:
+            if not self.sim.running():
+                raise StackError(f"the simulator exited with {self.sim.proc.returncode}:\n"
+                                 f"{self.sim.tail()}")
+            try:
+                await get_json(self.sim_stats_addr, "/stats", timeout=5.0)
+                return
+            except (OSError, HttpError):
+                pass
+            if loop.time() > deadline:
+                raise StackError(f"the simulator did not serve /stats within "
+                                 f"{o.startup_timeout_s:g}s:\n{self.sim.tail()}")
+            await asyncio.sleep(0.2)
+
+    async def _wait_registered(self) -> None:
+        """Every simulated node registered (the fleet says so) and Ready (the API says so)."""
+        from ops.benchlib.clients import ApiClients
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.startup_timeout_s
+        want = self.options.nodes
+        while (await self.fleet_stats())["registered"] < want:
+            if loop.time() > deadline:
+                raise StackError(f"the fleet did not register {want} nodes within "
+                                 f"{self.options.startup_timeout_s:g}s")
+            await asyncio.sleep(0.2)
+        api = ApiClients(self.grpc_addrs)
+        try:
+            while True:
+                ready = [(await api.summary(i)).ready_nodes for i in range(len(self.grpc_addrs))]
+                if min(ready) >= want:
+                    return
+                if loop.time() > deadline:
+                    raise StackError(f"the schedulers see {ready} Ready nodes of {want} after "
+                                     f"{self.options.startup_timeout_s:g}s")
+                await asyncio.sleep(0.2)
+        finally:
+            await api.close()
+
+    # -- observation ----------------------------------------------------------------------------
+
+    async def fleet_stats(self, *, per_node: bool = False) -> dict[str, Any]:
+        """The simulator's own counters (``ops.sim.Fleet.stats``)."""
+        if self.fleet is not None:
+            stats: dict[str, Any] = self.fleet.stats(per_node=per_node)
+            return stats
+        return await get_json(self.sim_stats_addr, "/stats?per_node=1" if per_node else "/stats",
+                              timeout=60.0)
+
+    async def scrape(self) -> list[MetricsSnapshot | None]:
+        """``/metrics`` of every replica (None for one that did not answer)."""
+        async def one(addr: str) -> MetricsSnapshot | None:
+            try:
+                body = await http_get(addr, "/metrics", timeout=10.0)
+            except (OSError, HttpError):
+                return None
+            return MetricsSnapshot.parse(body.decode("utf-8", errors="replace"))
+
+        return list(await asyncio.gather(*(one(a) for a in self.metrics_addrs)))
+
+    async def scrape_merged(self) -> MetricsSnapshot | None:
+        """The sum over replicas; None when no replica exposes metrics (or none was given)."""
+        snaps = [s for s in await self.scrape() if s is not None]
+        return MetricsSnapshot.merge(snaps) if snaps else None
+
+    async def health(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for addr in self.metrics_addrs:
+            try:
+                out.append(await get_json(addr, "/health", timeout=5.0))
+            except (OSError, HttpError):
+                out.append({})
+        return out
+
+    def process_pids(self) -> dict[str, int]:
+        """Every process of the run worth accounting, by name (the bench itself included)."""
+        pids = dict(self.scheduler_pids)
+        if self.sim is not None:
+            pids["sim"] = self.sim.pid
+        if self._etcd is not None and self._etcd.pid is not None:
+            pids["etcd"] = self._etcd.pid
+        if self._redis is not None and self._redis.pid is not None:
+            pids["redis"] = self._redis.pid
+        pids["bench" if self.fleet is None else "bench+sim"] = os.getpid()
+        return pids
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Stop everything this stack started, fleet first; safe after a partial start."""
+        try:
+            if self.fleet is not None:
+                fleet, self.fleet = self.fleet, None
+                await fleet.stop()
+        finally:
+            self._stop_processes()
+
+    def _stop_processes(self) -> None:
+        children = ([self.sim] if self.sim is not None else []) + list(self.schedulers)
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.wait_or_kill(20.0)
+        for server in (self._redis, self._etcd):
+            if server is not None:
+                server.stop()
+        if self._failed or self.options.keep:
+            print(f"bench: logs kept in {self.workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log_tails(self) -> str:
+        """The end of every child's log, for a failure report."""
+        parts = [f"--- {c.name} ---\n{c.tail()}"
+                 for c in ([self.sim] if self.sim else []) + self.schedulers]
+        return "\n".join(parts)
+
+
+def _raise_fd_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
