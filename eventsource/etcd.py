@@ -195,6 +195,9 @@ class AsyncEtcd:
         self.endpoints = [e.strip() for e in endpoints if e.strip()]
         self.timeout = timeout
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="etcd")
+        # leases (liveness of leaders, relays, nodes) must never queue behind bulk work: a
+        # keepalive that waits in line can cost leadership, so they get their own small lane
+        self._lease_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="etcd-lease")
         self._local = threading.local()
         self._pool_size = max_workers
         self._current = 0
@@ -260,7 +263,8 @@ class AsyncEtcd:
         if self._closed:
             raise Unavailable("etcd client closed")
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, self._post_blocking, path, body)
+        executor = self._lease_executor if path.startswith("/lease/") else self._executor
+        future = loop.run_in_executor(executor, self._post_blocking, path, body)
         deadline = self.timeout * len(self.endpoints) + 1.0
         try:
             return await asyncio.wait_for(future, timeout=deadline)
@@ -376,3 +380,4 @@ class AsyncEtcd:
     def close(self) -> None:
         self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._lease_executor.shutdown(wait=False, cancel_futures=True)

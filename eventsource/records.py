@@ -24,8 +24,25 @@ def _name(json_name: str) -> dict[str, dict[str, Any]]:
     return config(field_name=json_name)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+T = TypeVar("T")
+
+
+def record(cls: type[T]) -> type[T]:
+    """A dataclass with dataclasses-json's names and catch-all, and the plain dataclass init.
+
+    ``Undefined.INCLUDE`` replaces ``__init__`` with a wrapper that resolves type hints on every
+    call (milliseconds per record); constructing records in the scheduler never passes unknown
+    keys, so the generated dataclass ``__init__`` is restored. Decoding stored JSON goes through
+    ``RecordCodec``, which fills ``extra`` with the unknown keys.
+    """
+    data_cls = dataclass(cls)
+    plain_init = data_cls.__init__
+    decorated = dataclass_json(undefined=Undefined.INCLUDE)(data_cls)
+    decorated.__init__ = plain_init  # type: ignore[misc]
+    return decorated
+
+
+@record
 class Resources:
     """Workload resource request (cores, MB, GB) or node usage, Go field names."""
 
@@ -35,8 +52,7 @@ class Resources:
     extra: CatchAll = field(default_factory=dict)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class Taint:
     key: str = ""
     value: str = ""
@@ -44,8 +60,7 @@ class Taint:
     extra: CatchAll = field(default_factory=dict)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class Node:
     """``/nodes/<id>``."""
 
@@ -88,8 +103,7 @@ class Node:
         return f"{self.ip_address}:{port}"
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class WorkloadSpec:
     """``/workloads-spec/<id>``. ``managedVolumes`` is kept for every type (Go bug I6)."""
 
@@ -121,8 +135,7 @@ class WorkloadSpec:
     extra: CatchAll = field(default_factory=dict)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class RetryState:
     attempts: int = 0
     max_attempts: int = field(default=5, metadata=_name("maxAttempts"))
@@ -130,8 +143,7 @@ class RetryState:
     extra: CatchAll = field(default_factory=dict)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class ReasonInfo:
     code: str = ""
     message: str = ""
@@ -141,8 +153,7 @@ class ReasonInfo:
     extra: CatchAll = field(default_factory=dict)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class StatusInfo:
     actual_state: str = field(default="", metadata=_name("actualState"))
     last_updated: str = field(default="", metadata=_name("lastUpdated"))
@@ -151,8 +162,7 @@ class StatusInfo:
     extra: CatchAll = field(default_factory=dict)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class WorkloadStatus:
     """``/workloads-status/<id>``. ``logs`` is kept bounded (Go bug I3)."""
 
@@ -168,8 +178,7 @@ class WorkloadStatus:
     extra: CatchAll = field(default_factory=dict)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class Assignment:
     """``/assignments/<workload id>``."""
 
@@ -180,8 +189,7 @@ class Assignment:
     extra: CatchAll = field(default_factory=dict)
 
 
-@dataclass_json(undefined=Undefined.INCLUDE)
-@dataclass
+@record
 class Allocation:
     """``/allocations/<node id>``: what is committed to a node (ours; see ARCHITECTURE 7).
 

@@ -220,19 +220,28 @@ class NodeCommands:
         )
 
     async def _ensure_alive(self, node_id: str, change: Change) -> None:
-        """Renew the node's liveness lease, or add a new lease + key to ``change``."""
+        """Renew the node's liveness lease, or add a new lease + key to ``change``.
+
+        The projection may not show a key another replica (or this one) just wrote, so a miss
+        there is checked against etcd before a new lease is granted.
+        """
+        key = self.layout.alive(node_id)
         item = self.cluster.alive.get(node_id)
-        if item is not None and item.lease:
+        lease, mod = (item.lease, item.mod_revision) if item is not None else (0, 0)
+        if not lease:
+            kv = await self.etcd.get(key)
+            if kv is not None:
+                lease, mod = kv.lease, kv.mod_revision
+        if lease:
             try:
-                await self.etcd.lease_keepalive(item.lease)
+                await self.etcd.lease_keepalive(lease)
                 return
             except LeaseLost:
                 pass
         lease = await self.etcd.lease_grant(self.settings.node_lease_ttl_s)
-        change.compares.append(
-            Compare.mod(self.layout.alive(node_id), item.mod_revision if item else 0))
-        change.puts.append(Put(self.layout.alive(node_id), self.settings.instance_id.encode(),
-                               lease=lease, category="other"))
+        change.compares.append(Compare.mod(key, mod))
+        change.puts.append(Put(key, self.settings.instance_id.encode(), lease=lease,
+                               category="other"))
 
     # -- Heartbeat --------------------------------------------------------------------------
     async def heartbeat(self, req: control_pb2.HeartbeatRequest) -> HeartbeatOutcome:

@@ -148,6 +148,9 @@ class Scheduler:
         self.dns: DnsRegistration | None = None
         self.grpc_port = 0
         self.health_servicer = health.aio.HealthServicer()
+        from handlers.loops import register_loops
+
+        register_loops(self)
 
     def _redis_url(self) -> str:
         s = self.settings
@@ -172,8 +175,7 @@ class Scheduler:
 
     async def start(self) -> None:
         """Start projections, background tasks, the gRPC server and the HTTP endpoint."""
-        for projection in self.cluster.projections:
-            self.tasks.start(f"projection:{projection.name}", projection.run)
+        self.tasks.start("projections", self.cluster.run)
         self.tasks.start("mode-supervisor", self.supervisor.run)
         if self.tailer is not None:
             await self.tailer.start()

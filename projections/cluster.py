@@ -13,6 +13,7 @@ All of it lives on the event loop thread; a synchronous reader never sees half o
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Iterable
 
@@ -20,7 +21,11 @@ from eventsource.etcd import AsyncEtcd
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Allocation, Node, WorkloadSpec, WorkloadStatus, decode
+from eventsource.errors import Compacted, StoreError, Unavailable, WatchCanceled
+from eventsource.watch import WatchBatch, WatchEvent, WatchStream
 from projections.prefix import Item, PrefixProjection
+
+log = logging.getLogger("persys.projection")
 
 #: statuses that no longer hold a node's capacity or count for spread
 INACTIVE_STATUSES = frozenset({"completed", "deleted"})
@@ -118,6 +123,8 @@ class ClusterProjection:
     """Nodes, workloads, allocations and liveness of the whole cluster, on every replica."""
 
     def __init__(self, etcd: AsyncEtcd, layout: KeyLayout, metrics: Metrics) -> None:
+        self.etcd = etcd
+        self.metrics = metrics
         self.layout = layout
         self.nodes: PrefixProjection[Node] = PrefixProjection(
             etcd, layout.nodes_prefix, _decode_node, name="nodes", metrics=metrics,
@@ -158,3 +165,61 @@ class ClusterProjection:
 
     def workload_ids_on(self, node_id: str) -> set[str]:
         return set(self.workloads.by_node.get(node_id, ()))
+
+    # -- one feed for every prefix --------------------------------------------------------
+    async def relist(self) -> None:
+        """List every prefix at one revision, so all projections start from the same state."""
+        first = self.projections[0]
+        kvs, revision = await self.etcd.list_prefix(first.prefix)
+        loaded = [(first, kvs)]
+        for projection in self.projections[1:]:
+            more, _ = await self.etcd.list_prefix(projection.prefix, revision=revision)
+            loaded.append((projection, more))
+        for projection, items in loaded:
+            projection.load(items, revision)
+
+    def apply(self, batch: WatchBatch) -> None:
+        """Fold one batch of the root watch into the projections it concerns.
+
+        Every projection advances to the batch's revision, whether or not the batch touched
+        it: they all reflect the same revision, and a transaction that spans prefixes (a
+        placement writes spec, status and allocation) is never seen half-applied.
+        """
+        routed: dict[str, list[WatchEvent]] = {}
+        projections = self.projections
+        for event in batch.events:
+            key = event.kv.key
+            for projection in projections:
+                if key.startswith(projection.prefix):
+                    routed.setdefault(projection.name, []).append(event)
+                    break
+        for projection in projections:
+            projection.apply(WatchBatch(batch.revision, routed.get(projection.name, [])))
+
+    async def run(self) -> None:
+        """List all prefixes at R, then follow one watch over the root from R+1."""
+        backoff = 0.2
+        need_list = True
+        root = self.layout.root + "/"
+        while True:
+            try:
+                if need_list:
+                    await self.relist()
+                    need_list = False
+                revision = min(p.revision for p in self.projections)
+                stream = WatchStream(self.etcd.base_url, root, revision + 1)
+                try:
+                    async for batch in stream:
+                        self.apply(batch)
+                        backoff = 0.2
+                finally:
+                    stream.close()
+            except Compacted:
+                self.metrics.watch_restarts.labels("compacted").inc()
+                log.info("cluster projection: compacted, re-listing")
+                need_list = True
+            except (WatchCanceled, Unavailable, StoreError) as exc:
+                self.metrics.watch_restarts.labels("unavailable").inc()
+                log.info("cluster projection: watch interrupted (%s), resuming", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)

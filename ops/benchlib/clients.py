@@ -36,6 +36,8 @@ class ApplyReport:
     #: Reason -> count for every call not answered ``success`` (in-band or RPC error).
     rejected: Counter[str] = field(default_factory=Counter)
     wall_s: float = 0.0
+    #: ``time.monotonic()`` when the last call was answered.
+    ended_at: float = 0.0
 
     @property
     def rejected_count(self) -> int:
@@ -51,7 +53,7 @@ class ApplyReport:
         return text + (f"; {others} more of other kinds" if others else "")
 
 
-def _reason(failure: int, message: str) -> str:
+def _reason(failure: control_pb2.FailureReason.ValueType, message: str) -> str:
     name = control_pb2.FailureReason.Name(failure) if failure else "NO_REASON"
     # node ids and numbers vary per call; group the reasons by their shape
     return f"{name}: {_DIGITS.sub('#', message)[:80]}"
@@ -136,4 +138,5 @@ class ApiClients:
             # task itself still propagates
             await asyncio.wait([reporter])
         report.wall_s = perf() - began
+        report.ended_at = time.monotonic()
         return report

@@ -30,7 +30,7 @@ def key_group(key: str, root: str = "") -> str:
     parts = path.split("/")
     # "/a/b/c" -> ["", "a", "b", "c"]
     if len(parts) > 3 and parts[1] == "persys" and parts[2] == "scheduler":
-        return "/" + "/".join(parts[1:4]) + "/"
+        return "/" + "/".join(parts[1:4]) + ("/" if len(parts) > 4 else "")
     if len(parts) > 2:
         return f"/{parts[1]}/"
     return path
@@ -59,6 +59,8 @@ class WriteCounter:
         self._stream: WatchStream | None = None
         self._task: asyncio.Task[None] | None = None
         self._end = 0
+        #: Set once the watch has delivered everything up to the end revision.
+        self._reached = asyncio.Event()
 
     @property
     def writes(self) -> int:
@@ -83,11 +85,13 @@ class WriteCounter:
                     if self._end and rev > self._end:
                         continue
                     self._count(event)
+                if self._end and self._stream.last_revision >= self._end:
+                    self._reached.set()
         except StoreError as exc:
             self.error = f"etcd watch failed: {exc!r}"
 
     def _count(self, event: WatchEvent) -> None:
-        key = event.kv.key.decode("utf-8", errors="replace")
+        key = event.kv.key
         if event.deleted:
             self.deletes += 1
         else:
@@ -105,12 +109,13 @@ class WriteCounter:
             self.error = self.error or f"could not read the end revision: {exc!r}"
         self.end_revision = self._end
         stream = self._stream
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + settle_s
-        while (stream is not None and self._end and stream.last_revision < self._end
-               and self._task is not None and not self._task.done()
-               and loop.time() < deadline):
-            await asyncio.sleep(0.05)
+        if stream is not None and self._end and stream.last_revision >= self._end:
+            self._reached.set()
+        if self._end and self._task is not None and not self._task.done():
+            # progress notifications (1 s on the bench's etcd) move last_revision on
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(settle_s):
+                    await self._reached.wait()
         if stream is not None and self._end and stream.last_revision < self._end:
             self.error = self.error or (
                 f"the watch reached revision {stream.last_revision} of {self._end} within "

@@ -48,6 +48,7 @@ class StackOptions:
     ha: str = "shards"
     heartbeat_interval_s: int = 10
     reconcile_interval_s: float = 5.0
+    reapply_guard_s: float = 15.0
     apply_latency_s: float = 0.2
     seed: int | None = None
     fleet_in_process: bool = False
@@ -116,7 +117,8 @@ class Stack:
 
     def _scheduler_env(self, index: int, grpc_port: int, metrics_port: int) -> dict[str, str]:
         o = self.options
-        assert self._etcd is not None and self._redis is not None
+        assert self._etcd is not None
+        assert self._redis is not None
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SCHEDULER_", "ETCD_"))}
         env.update({
             "GRPC_PORT": str(grpc_port),
@@ -128,6 +130,7 @@ class Stack:
             "SCHEDULER_HEARTBEAT_INTERVAL": str(o.heartbeat_interval_s),
             "SCHEDULER_NODE_LEASE_TTL": str(max(30, 3 * o.heartbeat_interval_s)),
             "SCHEDULER_RECONCILE_INTERVAL": f"{o.reconcile_interval_s:g}",
+            "SCHEDULER_REAPPLY_GUARD": f"{o.reapply_guard_s:g}",
             "LOG_LEVEL": "warning",
             "PYTHONUNBUFFERED": "1",
         })

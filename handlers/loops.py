@@ -1,0 +1,914 @@
+"""The leader-only loops: reconcile (with drift detection) and the node monitor.
+
+Why: the committed state says what should run where; these loops make the fleet match it, at a
+cost proportional to the number of nodes, not workloads. A reconcile cycle asks each owned,
+alive, serving node once (``ListWorkloads``, at most ``SCHEDULER_RECONCILE_CONCURRENCY`` in
+flight), decides every workload purely (``handlers.reconcile``) and acts only where an action
+needs it. In steady state a cycle therefore makes exactly one agent RPC per owned node and no
+etcd write at all; every write it does make is a CAS transaction carrying the leader fence, and
+every agent call is ``leader_only`` (renew-deadline check + ``x-persys-leader-term``).
+
+Drift detection (E7) reuses a cycle's prefetch: the drift loop only asks for it, and the next
+(or the running) reconcile cycle classifies and remediates drift on the lists it already has.
+
+The node monitor turns a Ready node whose liveness key expired into NotReady (``NodeLost``,
+source ``monitor``), moves its movable workloads (``Rescheduled``; node-local ones get
+``RescheduleSkipped`` once) and removes nodes NotReady for longer than
+``SCHEDULER_NODE_GC_AFTER`` (``NodeLeft``). The Deleting finisher is the reconcile cycle's
+``Delete``/``FinalizeDelete`` action: a workload still in Deleting is deleted on its agent again
+and finalised through ``Dispatcher.finalize``.
+
+Loops pause in degraded and recovery modes (only ``normal`` is writable) and when this replica
+does not lead. ``ReconcileLoop.run_once`` never runs two cycles at once: an overlapping call
+returns at once with ``skipped="overlap"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from eventsource.commit import Change, retry_on_conflict
+from eventsource.errors import Conflict, StoreError
+from eventsource.etcd import Compare, Delete, Put
+from eventsource.events import Event, rfc3339
+from eventsource.records import Allocation, Assignment, Node, WorkloadStatus, encode
+from handlers.agents import AgentError
+from handlers.reconcile import (
+    ADOPT_ACTIONS,
+    ALIGN_STATUS,
+    APPLY_STOPPED,
+    COMPARABLE_STATUSES,
+    COUNT_FAILURE,
+    DELETE,
+    DELETE_ON_AGENT_ACTIONS,
+    DELETE_RESIDUAL,
+    FAILOVER,
+    FINALIZE,
+    MARK_TERMINAL,
+    MONITORED_NODE_STATUSES,
+    PLACE,
+    REAPPLY,
+    SETTLE,
+    STOPPED,
+    Action,
+    CyclePlan,
+    DriftDeduper,
+    DriftFinding,
+    NodeCheck,
+    NodeObservation,
+    NodeView,
+    classify_drift,
+    node_of,
+    node_view,
+    normalize_desired,
+    observed_from_agent,
+    owns_workload,
+    plan_cycle,
+    plan_node_monitor,
+)
+from handlers.retry import (
+    LAST_APPLY_AT,
+    LAST_APPLY_REVISION,
+    REAPPLY_ATTEMPTS,
+    REAPPLY_KEYS,
+    REAPPLY_NEXT_AT,
+    ReapplyState,
+    RetryPolicy,
+    after_reapply,
+    apply_failure,
+    apply_success,
+    decide_failure,
+    failure_counted,
+    is_vm,
+)
+from handlers.specs import agent_apply_request, request_of
+from handlers.state import NotFound
+from handlers.workloads import Outcome
+from projections.prefix import Item
+
+if TYPE_CHECKING:
+    from handlers.config import Settings
+    from handlers.server import Scheduler
+
+log = logging.getLogger("persys.loops")
+
+NOT_READY = "NotReady"
+#: the body of a loop must finish within this share of its interval
+BODY_SHARE = 0.8
+#: drift records + events per transaction (2 ops each, well under etcd's 128)
+DRIFT_BATCH = 40
+#: actions whose own status write makes a separate state_mismatch alignment redundant
+STATUS_WRITING = frozenset({SETTLE, REAPPLY, APPLY_STOPPED, COUNT_FAILURE, MARK_TERMINAL})
+
+V = TypeVar("V")
+T = TypeVar("T")
+
+
+def policy_from(settings: Settings) -> RetryPolicy:
+    """The retry/re-apply knobs of E5/E6 from the settings (the rest are the Go constants)."""
+    return RetryPolicy(reapply_guard_s=settings.reapply_guard_s,
+                       apply_timeout_s=settings.agent_apply_timeout_s,
+                       vm_apply_timeout_s=settings.agent_vm_apply_timeout_s)
+
+
+class ItemValues(Mapping[str, V], Generic[V]):
+    """A read-only view of a projection's items as plain values (no copy per cycle)."""
+
+    def __init__(self, items: Mapping[str, Item[V]]) -> None:
+        self._items = items
+
+    def __getitem__(self, key: str) -> V:
+        return self._items[key].value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+async def run_bounded(items: Iterable[T], limit: int,
+                      body: Callable[[T], Awaitable[None]]) -> None:
+    """``body(item)`` for every item, at most ``limit`` at once, in one task group.
+
+    ``body`` handles the failures it expects; anything else (``NotLeader``, a bug) propagates
+    and cancels the rest, which is what a lost leadership must do.
+    """
+    sem = asyncio.Semaphore(max(1, limit))
+
+    async def one(item: T) -> None:
+        async with sem:
+            await body(item)
+
+    async with asyncio.TaskGroup() as tg:
+        for item in items:
+            tg.create_task(one(item))
+
+
+@dataclass(slots=True)
+class CycleReport:
+    """What one reconcile cycle did (returned to tests and the benchmark; also logged)."""
+
+    skipped: str = ""
+    drift: bool = False
+    nodes_listed: int = 0
+    unreachable: list[str] = field(default_factory=list)
+    actions: dict[str, int] = field(default_factory=dict)
+    succeeded: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    rpcs: Counter[str] = field(default_factory=Counter)
+    drifts: list[DriftFinding] = field(default_factory=list)
+    duration_s: float = 0.0
+
+
+@dataclass(slots=True)
+class MonitorReport:
+    skipped: str = ""
+    lost: list[str] = field(default_factory=list)
+    relocations: Counter[str] = field(default_factory=Counter)
+    collected: list[str] = field(default_factory=list)
+
+
+class _Shell:
+    """What every loop shares: the scheduler's parts, and the fenced node-status write."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        s = scheduler
+        self.settings = s.settings
+        self.cluster = s.cluster
+        self.committer = s.committer
+        self.writer = s.writer
+        self.agents = s.agents
+        self.dispatcher = s.dispatcher
+        self.workloads = s.workloads
+        self.relocator = s.relocator
+        self.leader = s.leader
+        self.mode = s.mode
+        self.metrics = s.metrics
+        self.clock = s.clock
+        self.layout = s.layout
+        self.policy = policy_from(s.settings)
+        self.concurrency = s.settings.reconcile_concurrency
+
+    def _paused(self) -> str:
+        if not self.leader.is_leader:
+            return "not leader"
+        if not self.mode.writable:
+            return f"mode {self.mode.mode}"
+        return ""
+
+    def node_views(self) -> dict[str, NodeView]:
+        """Every node of the projection with its liveness (O(nodes), in memory)."""
+        alive = self.cluster.alive
+        views: dict[str, NodeView] = {}
+        for node_id, item in self.cluster.nodes.items.items():
+            # a node written after the alive projection's revision may have a key it has not
+            # seen yet: benefit of the doubt, never NotReady from a lagging projection
+            live = alive.get(node_id) is not None or alive.revision < item.mod_revision
+            views[node_id] = node_view(node_id, item.value, alive=live)
+        return views
+
+    async def mark_not_ready(self, node_id: str, *, reason: str, source: str,
+                             now: datetime) -> bool:
+        """Ready/Active -> NotReady with a ``NodeLost`` event, fenced; True when it changed.
+
+        Draining and Drained nodes keep their status (the operator's intent); a node already
+        NotReady is not rewritten and gets no second NodeLost (E1).
+        """
+        stamp = rfc3339(now)
+
+        def mutate(node: Node) -> list[Event] | None:
+            if node.status.lower() not in MONITORED_NODE_STATUSES:
+                return None
+            node.status = NOT_READY
+            node.status_reason = reason
+            node.status_updated_by = source
+            node.status_updated_at = stamp
+            return [Event(type="NodeLost", node_id=node_id, reason=reason, timestamp=now,
+                          details={"status": NOT_READY, "source": source})]
+
+        try:
+            _, committed = await self.writer.update_node(node_id, mutate, kind=source,
+                                                         fenced=True)
+        except NotFound:
+            return False
+        except StoreError as exc:
+            log.warning("node not marked NotReady node_id=%s: %s", node_id, exc)
+            return False
+        if committed is not None:
+            log.warning("node NotReady node_id=%s source=%s reason=%r", node_id, source, reason)
+        return committed is not None
+
+
+# -- reconcile -----------------------------------------------------------------------------------
+
+
+class ReconcileLoop(_Shell):
+    """One reconcile cycle per tick; drift detection on the cycles that were asked for it."""
+
+    name = "reconcile"
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__(scheduler)
+        self.interval_s = scheduler.settings.reconcile_interval_s
+        self.dedup = DriftDeduper()
+        self._lock = asyncio.Lock()
+        self._drift_due = False
+        #: the newest cycle's report (for the CLI, the benchmark and tests)
+        self.last_report: CycleReport | None = None
+
+    def request_drift(self) -> None:
+        self._drift_due = True
+
+    def time_bound_s(self) -> float:
+        """The bound on one cycle: 0.8 x interval, or more when the fleet needs it.
+
+        A cycle is at most a few waves of RPCs: ``ceil(nodes / concurrency)`` waves of
+        ListWorkloads, then applies and deletes, each wave bounded by its RPC deadline. At
+        5,000 nodes and concurrency 64 a cycle whose agents all time out needs 79 waves, far
+        more than 0.8 x 5 s; cutting it there would starve the last nodes forever. So the
+        bound is ``max(0.8 x interval, 60 s, 3 x waves x agent RPC timeout)``: generous,
+        but still finite, and later ticks are skipped (coalesced) while a cycle runs.
+        """
+        waves = math.ceil(max(1, len(self.cluster.nodes.items)) / max(1, self.concurrency))
+        return max(BODY_SHARE * self.interval_s, 60.0,
+                   3 * waves * self.settings.agent_rpc_timeout_s)
+
+    async def __call__(self) -> None:
+        try:
+            async with asyncio.timeout(self.time_bound_s()):
+                await self.run_once()
+        except TimeoutError:
+            log.warning("reconcile cycle exceeded its bound of %.1fs; cut short",
+                        self.time_bound_s())
+
+    async def run_once(self, *, now: datetime | None = None,
+                       drift: bool = False) -> CycleReport:
+        """Run one cycle now, or report why not (not leader, mode, overlap).
+
+        ``now`` is injectable (tests drive retry schedules with it); ``drift`` asks for drift
+        detection on this cycle, or on the next one if a cycle is already running.
+        """
+        if drift:
+            self._drift_due = True
+        paused = self._paused()
+        if paused:
+            return CycleReport(skipped=paused)
+        if self._lock.locked():
+            return CycleReport(skipped="overlap")
+        async with self._lock:
+            started = time.perf_counter()
+            report = CycleReport(drift=self._drift_due)
+            self._drift_due = False
+            try:
+                await self._cycle(report, now or self.clock.now())
+            finally:
+                report.duration_s = time.perf_counter() - started
+                self.metrics.reconcile_cycles.inc()
+                self.metrics.reconcile_cycle_seconds.observe(report.duration_s)
+                self.last_report = report
+            if report.unreachable or report.failed or report.drifts:
+                log.info("reconcile cycle nodes=%d rpcs=%s actions=%s failed=%s drifts=%d "
+                         "duration=%.3fs", report.nodes_listed, dict(report.rpcs),
+                         report.actions, dict(report.failed), len(report.drifts),
+                         report.duration_s)
+            return report
+
+    # -- the cycle ---------------------------------------------------------------------------
+    async def _cycle(self, report: CycleReport, now: datetime) -> None:
+        views = self.node_views()
+        targets = [v for v in views.values() if v.available and self.leader.owns(v.node_id)]
+        observations = await self._prefetch(targets, report)
+        report.nodes_listed = len(targets)
+        for node_id, obs in observations.items():
+            if obs.unreachable:
+                report.unreachable.append(node_id)
+                await self.mark_not_ready(node_id, reason=f"agent unreachable: {obs.error}",
+                                          source="reconciler", now=now)
+                old = views[node_id]
+                views[node_id] = NodeView(node_id, old.exists, NOT_READY, old.alive,
+                                          old.endpoint)
+        specs = ItemValues(self.cluster.specs.items)
+        statuses = ItemValues(self.cluster.statuses.items)
+        findings: list[DriftFinding] = []
+        if report.drift:
+            expected = {n: self.cluster.workload_ids_on(n) for n in observations}
+            findings = classify_drift(specs, statuses, expected=expected, nodes=views,
+                                      observations=observations, now=now, policy=self.policy)
+            report.drifts = findings
+        adopted = {f.workload_id for f in findings if f.action in ADOPT_ACTIONS}
+        plan = plan_cycle(
+            specs, statuses, nodes=views, observations=observations, owns_node=self.leader.owns,
+            owns_unassigned=lambda wid: owns_workload(
+                wid, shard_count=self.settings.shard_count if self.settings.active_active else 1,
+                shard_index=self.settings.shard_index),
+            now=now, policy=self.policy, exclude=adopted)
+        report.actions = plan.counts()
+        results = await self._execute(plan, views, report, now)
+        if findings:
+            await self._remediate(findings, results, views, report, now)
+
+    async def _prefetch(self, targets: list[NodeView],
+                        report: CycleReport) -> dict[str, NodeObservation]:
+        observations: dict[str, NodeObservation] = {}
+
+        async def one(view: NodeView) -> None:
+            report.rpcs["ListWorkloads"] += 1
+            try:
+                resp = await self.agents.list_workloads(view.node_id, view.endpoint,
+                                                        leader_only=True)
+            except AgentError as exc:
+                observations[view.node_id] = NodeObservation(
+                    view.node_id, ok=False, unreachable=exc.unreachable, error=str(exc))
+                return
+            seen = {w.id: observed_from_agent(w) for w in resp.workloads if w.id}
+            observations[view.node_id] = NodeObservation(view.node_id, ok=True, workloads=seen)
+
+        await run_bounded(targets, self.concurrency, one)
+        return observations
+
+    async def _execute(self, plan: CyclePlan, views: Mapping[str, NodeView],
+                       report: CycleReport, now: datetime) -> dict[str, tuple[str, bool, str]]:
+        results: dict[str, tuple[str, bool, str]] = {}
+        for action in plan.actions:
+            if not (action.rpc or action.writes):
+                self.metrics.reconciliation_results.labels(action.kind, "true").inc()
+
+        async def one(action: Action) -> None:
+            ok = await self._act(action, views, report, now)
+            results[action.workload_id] = (action.kind, ok, action.node_id)
+            (report.succeeded if ok else report.failed)[action.kind] += 1
+            self.metrics.reconciliation_results.labels(action.kind, str(ok).lower()).inc()
+
+        await run_bounded(plan.needing_io(), self.concurrency, one)
+        return results
+
+    async def _act(self, action: Action, views: Mapping[str, NodeView], report: CycleReport,
+                   now: datetime) -> bool:
+        kind = action.kind
+        try:
+            if kind == FINALIZE:
+                await self.dispatcher.finalize(action.workload_id)
+                return True
+            if kind == DELETE:
+                return await self._delete(action.workload_id, action.node_id, views, report,
+                                          finalize=True)
+            if kind == PLACE:
+                return await self._place(action.workload_id, now)
+            if kind == FAILOVER:
+                return await self._failover(action, now)
+            if kind in (REAPPLY, APPLY_STOPPED):
+                return await self._apply(action, views, report, now)
+            if kind == COUNT_FAILURE:
+                return await self.count_failure(action.workload_id, action.node_id,
+                                                reason=action.reason, now=now, once=True)
+            if kind == SETTLE:
+                return await self._settle(action, now)
+            if kind == MARK_TERMINAL:
+                return await self._mark_terminal(action, now)
+        except NotFound:
+            return True
+        except StoreError as exc:
+            log.warning("reconcile %s failed workload_id=%s: %s", kind, action.workload_id, exc)
+            return False
+        log.error("reconcile: no executor for action %s", kind)
+        return False
+
+    # -- executors ---------------------------------------------------------------------------
+    async def _delete(self, workload_id: str, node_id: str, views: Mapping[str, NodeView],
+                      report: CycleReport, *, finalize: bool) -> bool:
+        view = views.get(node_id)
+        if view is None or not view.endpoint:
+            return False
+        report.rpcs["DeleteWorkload"] += 1
+        try:
+            await self.agents.delete(node_id, view.endpoint, workload_id, leader_only=True)
+        except AgentError as exc:
+            if not exc.not_found:
+                log.info("agent delete failed workload_id=%s node_id=%s: %s", workload_id,
+                         node_id, exc)
+                return False
+        if finalize:
+            await self.dispatcher.finalize(workload_id)
+        return True
+
+    async def _place(self, workload_id: str, now: datetime) -> bool:
+        c = self.workloads
+
+        async def attempt(n: int) -> bool:
+            spec_item = self.cluster.specs.get(workload_id)
+            status_item = self.cluster.statuses.get(workload_id)
+            if spec_item is None or status_item is None or node_of(status_item.value):
+                return False
+            spec = spec_item.value
+            if normalize_desired(spec.desired_state) == "Deleted":
+                return False
+            status = copy.deepcopy(status_item.value)
+            placed = c._place(spec, status)
+            if isinstance(placed, Outcome):
+                log.info("reconcile: no node fits workload_id=%s: %s", workload_id,
+                         placed.message)
+                return False
+            change = placed.change
+            change.kind = "reconcile"
+            change.compares.append(Compare.mod(self.layout.status(workload_id),
+                                               status_item.mod_revision))
+            change.puts.append(Put(self.layout.status(workload_id), encode(placed.status),
+                                   category="status"))
+            change.events.append(Event(
+                type="WorkloadScheduled", workload_id=workload_id, node_id=placed.node_id,
+                reason=placed.reason, details={"revision_id": spec.revision_id}, timestamp=now))
+            cpu_m, mem_mb = request_of(spec)
+            c.placer.reserve(workload_id, placed.node_id, cpu_m, mem_mb)
+            try:
+                await self.committer.commit(change, fenced=True)
+            except Conflict as exc:
+                c.placer.release(workload_id)
+                await c._catch_up(exc)
+                raise
+            self.dispatcher.apply(spec, placed.status.metadata, placed.node_id,
+                                  spec.desired_state)
+            return True
+
+        return await retry_on_conflict(attempt)
+
+    async def _failover(self, action: Action, now: datetime) -> bool:
+        outcome = await self.relocator.relocate(action.workload_id, from_node=action.node_id,
+                                                event_type="Rescheduled", fenced=True)
+        if outcome == "no-target":
+            # E1 AwaitFailover: wait under the retry budget, so attempts back off and end Failed
+            await self.count_failure(action.workload_id, action.node_id,
+                                     reason=f"no failover target: node {action.node_id} "
+                                            "unavailable", now=now, once=False)
+            return False
+        return True
+
+    async def _apply(self, action: Action, views: Mapping[str, NodeView], report: CycleReport,
+                     now: datetime) -> bool:
+        wid, node_id = action.workload_id, action.node_id
+        spec_item = self.cluster.specs.get(wid)
+        status_item = self.cluster.statuses.get(wid)
+        view = views.get(node_id)
+        if spec_item is None or status_item is None or view is None:
+            return False
+        spec = spec_item.value
+        if node_of(status_item.value) != node_id:
+            return False
+        desired = STOPPED if action.kind == APPLY_STOPPED else "Running"
+        request = agent_apply_request(spec, status_item.value.metadata, desired)
+        timeout = (self.settings.agent_vm_apply_timeout_s if is_vm(spec.type)
+                   else self.settings.agent_apply_timeout_s)
+        report.rpcs["ApplyWorkload"] += 1
+        try:
+            resp = await self.agents.apply(node_id, view.endpoint, request, timeout=timeout,
+                                           leader_only=True)
+        except AgentError as exc:
+            if exc.unreachable:
+                await self.mark_not_ready(node_id, reason=f"agent unreachable: {exc}",
+                                          source="reconciler", now=now)
+            await self.count_failure(wid, node_id, reason=f"apply failed: {exc}", now=now,
+                                     once=False)
+            return False
+        if not resp.applied and not resp.skipped:
+            await self.count_failure(wid, node_id, reason=resp.message or "apply not accepted",
+                                     now=now, once=False)
+            return False
+        agent_meta = dict(resp.status.metadata)
+        state = {1: "Pending", 2: "Running", 3: "Stopped", 4: "Failed"}.get(
+            int(resp.status.actual_state), "Pending")
+        stamp = rfc3339(now)
+        revision = request.revision_id
+
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            if node_of(status) != node_id:
+                return None
+            meta = status.metadata
+            meta.update(agent_meta)
+            if action.kind == REAPPLY:
+                meta.update(after_reapply(ReapplyState.read(meta), revision_id=revision,
+                                          workload_type=spec.type, now=now, policy=self.policy))
+            else:
+                meta[LAST_APPLY_AT] = stamp
+                meta[LAST_APPLY_REVISION] = revision
+                meta.pop(REAPPLY_ATTEMPTS, None)
+                meta.pop(REAPPLY_NEXT_AT, None)
+            meta["last_action"] = action.kind
+            status.retry.next_retry_at = ""
+            status.status = state
+            status.status_info.actual_state = state
+            status.status_info.last_updated = stamp
+            return [Event(type="WorkloadScheduled", workload_id=wid, node_id=node_id,
+                          reason=action.kind, timestamp=now,
+                          details={"revision_id": revision, "desired_state": desired})]
+
+        await self.writer.update_status(wid, mutate, kind="reconcile", fenced=True)
+        return True
+
+    async def count_failure(self, workload_id: str, node_id: str, *, reason: str, now: datetime,
+                            once: bool) -> bool:
+        """Charge one failure to the retry budget (E6), fenced. ``once``: only if the latest
+        apply's failure was not counted yet (an observed Failed is seen by many cycles)."""
+
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            if node_id and node_of(status) != node_id:
+                return None
+            if once and failure_counted(status):
+                return None
+            outcome = decide_failure(status, reason=reason, now=now, policy=self.policy,
+                                     workload_id=workload_id, node_id=node_id)
+            apply_failure(status, outcome, now=now)
+            return [outcome.event]
+
+        await self.writer.update_status(workload_id, mutate, kind="retry", fenced=True)
+        return True
+
+    async def _settle(self, action: Action, now: datetime) -> bool:
+        actual = action.observed or "Running"
+
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            if node_of(status) != action.node_id:
+                return None
+            return [] if apply_success(status, actual=actual, now=now) else None
+
+        await self.writer.update_status(action.workload_id, mutate, kind="reconcile",
+                                        fenced=True)
+        return True
+
+    async def _mark_terminal(self, action: Action, now: datetime) -> bool:
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            if status.status == "Failed":
+                return None
+            status.status = "Failed"
+            status.status_info.actual_state = "Failed"
+            status.status_info.last_updated = rfc3339(now)
+            status.metadata["last_action"] = "TerminalFailureNoReapply"
+            status.metadata["terminal_failure_reason"] = action.reason
+            for key in REAPPLY_KEYS:
+                status.metadata.pop(key, None)
+            return []
+
+        await self.writer.update_status(action.workload_id, mutate, kind="reconcile",
+                                        fenced=True)
+        return True
+
+    # -- drift -------------------------------------------------------------------------------
+    async def _remediate(self, findings: list[DriftFinding],
+                         results: Mapping[str, tuple[str, bool, str]],
+                         views: Mapping[str, NodeView], report: CycleReport,
+                         now: datetime) -> None:
+        """Carry out each finding (or credit the reconcile action that already did), then
+        record the admitted ones: DriftRecord + DriftDetected, batched, fenced."""
+        outcomes: dict[tuple[str, str, str, str], tuple[bool, str, bool]] = {}
+
+        async def one(f: DriftFinding) -> None:
+            recorded = False
+            error = ""
+            try:
+                if f.action in ADOPT_ACTIONS:
+                    ok, recorded = await self._adopt(f, now)
+                elif f.action in DELETE_ON_AGENT_ACTIONS or (
+                        f.action == DELETE_RESIDUAL
+                        and results.get(f.workload_id, ("", False, ""))[2] != f.node_id):
+                    ok = await self._delete(f.workload_id, f.node_id, views, report,
+                                            finalize=False)
+                elif f.action == ALIGN_STATUS:
+                    ok = await self._align(f, results, now)
+                else:
+                    kind_ok = results.get(f.workload_id)
+                    ok = kind_ok is not None and kind_ok[1]
+                    if kind_ok is None:
+                        error = "no remediation this cycle"
+            except NotFound:
+                ok = True
+            except StoreError as exc:
+                ok, error = False, str(exc)
+            outcomes[f.key] = (ok, error, recorded)
+
+        await run_bounded(findings, self.concurrency, one)
+        pending: list[Change] = []
+        for f in findings:
+            ok, error, recorded = outcomes.get(f.key, (False, "not run", False))
+            if recorded or not self.dedup.admit(f.key, now):
+                continue
+            pending.append(self._drift_change(f, ok=ok, error=error, now=now))
+        for start in range(0, len(pending), DRIFT_BATCH):
+            batch = Change(kind="drift")
+            for change in pending[start:start + DRIFT_BATCH]:
+                batch.merge(change)
+            try:
+                await self.committer.commit(batch, fenced=True)
+            except StoreError as exc:
+                log.warning("drift records not stored (%d): %s", len(batch.puts), exc)
+
+    def _drift_change(self, f: DriftFinding, *, ok: bool, error: str, now: datetime) -> Change:
+        record = {
+            "nodeId": f.node_id, "workloadId": f.workload_id, "driftType": f.drift_type,
+            "detectedAt": rfc3339(now), "schedulerStatus": f.scheduler_status,
+            "agentStatus": f.agent_status, "action": f.action, "resolved": ok,
+            "lastError": error,
+        }
+        return Change(
+            kind="drift",
+            puts=[Put(self.layout.drift(f.node_id, f.workload_id, f.drift_type),
+                      json.dumps(record, separators=(",", ":")).encode(), category="drift")],
+            events=[Event(type="DriftDetected", workload_id=f.workload_id, node_id=f.node_id,
+                          reason=f.drift_type, timestamp=now, details={
+                              "scheduler_status": f.scheduler_status,
+                              "agent_status": f.agent_status, "action": f.action,
+                              "resolved": str(ok).lower(), "last_error": error})])
+
+    async def _align(self, f: DriftFinding, results: Mapping[str, tuple[str, bool, str]],
+                     now: datetime) -> bool:
+        done = results.get(f.workload_id)
+        if done is not None and done[0] in STATUS_WRITING:
+            return done[1]
+        state = f.agent_status
+        stamp = rfc3339(now)
+
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            if node_of(status) != f.node_id or status.status not in COMPARABLE_STATUSES:
+                return None
+            if status.status == state:
+                return None
+            status.status = state
+            status.status_info.actual_state = state
+            status.status_info.last_updated = stamp
+            status.metadata["drift_reason"] = f.drift_type
+            status.metadata["drift_reconciled_at"] = stamp
+            return []
+
+        await self.writer.update_status(f.workload_id, mutate, kind="drift", fenced=True)
+        return True
+
+    async def _adopt(self, f: DriftFinding, now: datetime) -> tuple[bool, bool]:
+        """Re-bind a workload to the node that runs it (status, assignment, both allocations
+        and, when admitted, the drift record + event: one transaction). Returns (ok, recorded).
+        """
+        wid, new = f.workload_id, f.node_id
+        stamp = rfc3339(now)
+        admitted = self.dedup.admit(f.key, now)
+
+        async def attempt(n: int) -> tuple[bool, bool]:
+            spec_item = self.cluster.specs.get(wid)
+            status_item = self.cluster.statuses.get(wid)
+            if spec_item is None or status_item is None:
+                return False, False
+            status = copy.deepcopy(status_item.value)
+            old = node_of(status)
+            if old != f.previous_node:
+                return False, False  # someone moved it meanwhile
+            status.node_id = new
+            status.assigned_node = new
+            if f.agent_status in COMPARABLE_STATUSES:
+                status.status = f.agent_status
+                status.status_info.actual_state = f.agent_status
+            status.status_info.last_updated = stamp
+            status.metadata["last_action"] = "DriftRemediatedOrphan"
+            status.metadata["drift_reason"] = f.action
+            status.metadata["drift_reconciled_at"] = stamp
+            if old and old != new:
+                status.metadata["previous_node"] = old
+            change = Change(kind="drift", compares=[
+                Compare.mod(self.layout.status(wid), status_item.mod_revision)], puts=[
+                Put(self.layout.status(wid), encode(status), category="status"),
+                Put(self.layout.assignment(wid), encode(Assignment(
+                    workload_id=wid, node_id=new, reason=f.action, created_at=stamp)),
+                    category="assignment")])
+            cpu_m, mem_mb = request_of(spec_item.value)
+            moves = [(new, True)] + ([(old, False)] if old and old != new else [])
+            for node_id, add in moves:
+                # the workload runs here: its allocation follows reality, without a fit check
+                item = self.cluster.allocations.get(node_id)
+                record = copy.deepcopy(item.value) if item else Allocation(node_id=node_id)
+                record.node_id = node_id
+                if add:
+                    record.add(wid, cpu_m, mem_mb)
+                elif not record.remove(wid):
+                    continue
+                change.compares.append(Compare.mod(self.layout.allocation(node_id),
+                                                   item.mod_revision if item else 0))
+                change.puts.append(Put(self.layout.allocation(node_id), encode(record),
+                                       category="allocation"))
+            if admitted:
+                change.merge(self._drift_change(f, ok=True, error="", now=now))
+            try:
+                await self.committer.commit(change, fenced=True)
+            except Conflict as exc:
+                if exc.revision:
+                    await self.cluster.wait_for(exc.revision,
+                                                which=("statuses", "allocations", "specs"))
+                raise
+            log.warning("drift: workload adopted workload_id=%s from=%s to=%s action=%s", wid,
+                        old or "-", new, f.action)
+            return True, admitted
+
+        return await retry_on_conflict(attempt)
+
+
+class DriftTrigger:
+    """The drift loop's body: ask for drift detection on the reconcile cycle's prefetch."""
+
+    name = "drift"
+
+    def __init__(self, reconcile: ReconcileLoop, interval_s: float) -> None:
+        self.reconcile = reconcile
+        self.interval_s = interval_s
+
+    async def __call__(self) -> None:
+        try:
+            async with asyncio.timeout(max(self.reconcile.time_bound_s(),
+                                           BODY_SHARE * self.interval_s)):
+                await self.reconcile.run_once(drift=True)
+        except TimeoutError:
+            log.warning("drift cycle cut short")
+
+
+# -- node monitor ----------------------------------------------------------------------------
+
+
+class NodeMonitor(_Shell):
+    """Liveness -> NotReady + failover; long NotReady -> removal (E1, ARCHITECTURE 4)."""
+
+    name = "node-monitor"
+
+    def __init__(self, scheduler: Scheduler, interval_s: float) -> None:
+        super().__init__(scheduler)
+        self.interval_s = interval_s
+        self._lock = asyncio.Lock()
+
+    async def __call__(self) -> None:
+        try:
+            async with asyncio.timeout(BODY_SHARE * self.interval_s):
+                await self.run_once()
+        except TimeoutError:
+            log.warning("node monitor exceeded %.1fs; the next tick continues",
+                        BODY_SHARE * self.interval_s)
+
+    def checks(self) -> list[NodeCheck]:
+        alive = self.cluster.alive
+        out: list[NodeCheck] = []
+        for node_id, item in self.cluster.nodes.items.items():
+            if not self.leader.owns(node_id):
+                continue
+            gone = alive.get(node_id) is None and alive.revision >= item.mod_revision
+            out.append(NodeCheck(node_id, item.value.status, gone, item.value.status_updated_at))
+        return out
+
+    async def run_once(self, *, now: datetime | None = None) -> MonitorReport:
+        paused = self._paused()
+        if paused:
+            return MonitorReport(skipped=paused)
+        if self._lock.locked():
+            return MonitorReport(skipped="overlap")
+        async with self._lock:
+            when = now or self.clock.now()
+            report = MonitorReport()
+            plan = plan_node_monitor(self.checks(), now=when,
+                                     gc_after_s=self.settings.node_gc_after_s)
+            ttl = self.settings.node_lease_ttl_s
+
+            async def lose(node_id: str) -> None:
+                changed = await self.mark_not_ready(
+                    node_id, reason=f"liveness lease expired (no heartbeat for {ttl}s)",
+                    source="monitor", now=when)
+                if changed:
+                    report.lost.append(node_id)
+                    await self._relocate_all(node_id, report)
+
+            await run_bounded(plan.lost, self.concurrency, lose)
+            for node_id in plan.collect:
+                if await self._collect(node_id, when):
+                    report.collected.append(node_id)
+            return report
+
+    async def _relocate_all(self, node_id: str, report: MonitorReport) -> None:
+        async def move(workload_id: str) -> None:
+            try:
+                outcome = await self.relocator.relocate(workload_id, from_node=node_id,
+                                                        event_type="Rescheduled", fenced=True)
+            except StoreError as exc:
+                log.warning("failover of workload_id=%s from node_id=%s failed: %s "
+                            "(reconcile retries)", workload_id, node_id, exc)
+                outcome = "error"
+            report.relocations[outcome] += 1
+
+        await run_bounded(sorted(self.cluster.workload_ids_on(node_id)), self.concurrency, move)
+
+    async def _collect(self, node_id: str, now: datetime) -> bool:
+        """Remove a long-NotReady node: its records, its empty allocation, its DNS record."""
+        item = self.cluster.nodes.get(node_id)
+        if item is None or item.value.status != NOT_READY:
+            return False
+        change = Change(
+            kind="monitor",
+            compares=[Compare.mod(self.layout.node(node_id), item.mod_revision)],
+            deletes=[Delete(self.layout.node(node_id), category="node"),
+                     Delete(self.layout.node_status(node_id), category="node"),
+                     Delete(self.layout.skydns(self.settings.agents_discovery_domain,
+                                               self.settings.shard_key, node_id),
+                            category="dns")],
+            events=[Event(type="NodeLeft", node_id=node_id, timestamp=now,
+                          reason=f"NotReady for longer than {self.settings.node_gc_after_s:.0f}s",
+                          details={"status": "Removed"})])
+        alloc = self.cluster.allocations.get(node_id)
+        if alloc is not None and not alloc.value.workloads:
+            change.compares.append(Compare.mod(self.layout.allocation(node_id),
+                                               alloc.mod_revision))
+            change.deletes.append(Delete(self.layout.allocation(node_id), category="allocation"))
+        try:
+            await self.committer.commit(change, fenced=True)
+        except StoreError as exc:
+            log.info("node not removed node_id=%s: %s", node_id, exc)
+            return False
+        await self.agents.forget(node_id)
+        log.warning("node removed node_id=%s", node_id)
+        return True
+
+
+# -- registration ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredLoops:
+    reconcile: ReconcileLoop
+    monitor: NodeMonitor
+    drift: DriftTrigger | None
+
+
+def monitor_interval_s(settings: Settings) -> float:
+    """min(5 s, node lease TTL / 2): the monitor only reads projections, so it is cheap."""
+    return min(5.0, settings.node_lease_ttl_s / 2)
+
+
+def register_loops(scheduler: Scheduler) -> None:
+    """Build the leader-only loops and register them with the scheduler's ``LeaderGate``."""
+    settings = scheduler.settings
+    reconcile = ReconcileLoop(scheduler)
+    monitor = NodeMonitor(scheduler, monitor_interval_s(settings))
+    scheduler.leader.add_loop(reconcile.name, settings.reconcile_interval_s, reconcile)
+    scheduler.leader.add_loop(monitor.name, monitor.interval_s, monitor)
+    if settings.drift_detect_interval_s > 0:
+        drift = DriftTrigger(reconcile, settings.drift_detect_interval_s)
+        scheduler.leader.add_loop(drift.name, drift.interval_s, drift)
+
+
+def loops_of(scheduler: Scheduler) -> RegisteredLoops:
+    """The loop objects ``register_loops`` registered (for the CLI, the benchmark and tests)."""
+    found: dict[str, Any] = {loop.name: loop.body for loop in scheduler.leader.loops}
+    reconcile = found.get(ReconcileLoop.name)
+    monitor = found.get(NodeMonitor.name)
+    drift = found.get(DriftTrigger.name)
+    if isinstance(reconcile, ReconcileLoop) and isinstance(monitor, NodeMonitor):
+        return RegisteredLoops(reconcile, monitor,
+                               drift if isinstance(drift, DriftTrigger) else None)
+    raise LookupError("register_loops(scheduler) was not called")

@@ -1,0 +1,587 @@
+"""Pure reconcile decisions: per workload, per cycle, per drift, per node (persys-facts E4, E7, E1).
+
+Why: the loops in ``handlers.loops`` only gather inputs (the projections and one agent
+``ListWorkloads`` per owned node) and carry out actions; *what* to do is decided here, from
+(spec, status, observation, node availability, now, policy), without I/O or clock reads. Only
+actions whose ``rpc`` is set make an agent call and only those whose ``writes`` is set write to
+etcd, which is how a steady-state cycle costs one RPC per owned node and no write at all.
+
+Order of ``plan_workload`` (E4 ``ReconcileWorkload``, reshaped around the prefetch):
+
+1. desired Deleted: delete on the agent when it still reports the workload, else finalise;
+2. terminal (retry budget exhausted, ``retry_terminal``, a non-retryable failure reason): halt;
+3. retry backoff gate (``retry.nextRetryAt`` ahead of now): wait;
+4. unassigned: place;
+5. node unavailable: move it (failover, ``Rescheduled``) unless it is node-local (it waits);
+6. observed vs desired: re-apply (guarded, bug I13), count a failure (retry budget), apply
+   Stopped, settle (reset the bookkeeping after a success, bug I15), or nothing.
+
+An observed ``Failed`` is the agent's definitive answer, so it is governed by the retry budget
+(E6), not by the re-apply guard; ``Missing``/``Stopped`` may be an apply still in flight, so they
+are governed by the guard (E5).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from eventsource.events import parse_rfc3339
+from eventsource.records import Node, WorkloadSpec, WorkloadStatus
+from handlers.retry import (
+    ReapplyState,
+    RetryPolicy,
+    exhausted,
+    failure_counted,
+    needs_success_reset,
+    reapply_guard,
+    retry_wait,
+)
+from handlers.workloads import is_node_local
+
+RUNNING = "Running"
+STOPPED = "Stopped"
+DELETED = "Deleted"
+PENDING = "Pending"
+FAILED = "Failed"
+UNKNOWN = "Unknown"
+MISSING = "Missing"
+#: node statuses whose agent is expected to answer (Draining still runs its workloads)
+SERVING_NODE_STATUSES = frozenset({"ready", "active", "draining"})
+#: node statuses the liveness monitor turns into NotReady
+MONITORED_NODE_STATUSES = frozenset({"ready", "active"})
+TERMINAL_FAILURE_REASONS = frozenset({"INVALID_IMAGE", "INVALID_SPECIFICATION",
+                                      "INVALID_CONFIGURATION", "PORT_BIND_CONFLICT"})
+TRUTHY = frozenset({"true", "1", "yes"})
+#: agent ActualState enum -> our state names
+AGENT_STATES = {0: UNKNOWN, 1: PENDING, 2: RUNNING, 3: STOPPED, 4: FAILED, 5: UNKNOWN}
+#: scheduler statuses that name an agent state (drift compares only these)
+COMPARABLE_STATUSES = frozenset({PENDING, RUNNING, STOPPED, FAILED, UNKNOWN, "Scheduled"})
+
+
+def normalize_desired(value: str) -> str:
+    """E2: stop/stopped -> Stopped; delete/deleted -> Deleted; anything else -> Running."""
+    v = value.strip().lower()
+    if v in ("stop", "stopped"):
+        return STOPPED
+    if v in ("delete", "deleted"):
+        return DELETED
+    return RUNNING
+
+
+def node_of(status: WorkloadStatus) -> str:
+    return status.node_id or status.assigned_node
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedWorkload:
+    """One workload as an agent's ``ListWorkloads`` reported it."""
+
+    workload_id: str
+    state: str
+    revision_id: str = ""
+    desired: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeObservation:
+    """The prefetch of one node: its workloads, or why there are none."""
+
+    node_id: str
+    ok: bool
+    workloads: Mapping[str, ObservedWorkload] = field(default_factory=dict)
+    unreachable: bool = False
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """What the plan needs to know about a node."""
+
+    node_id: str
+    exists: bool
+    status: str
+    alive: bool
+    endpoint: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.exists and self.alive and self.status.lower() in SERVING_NODE_STATUSES
+
+
+def node_view(node_id: str, node: Node | None, *, alive: bool) -> NodeView:
+    if node is None:
+        return NodeView(node_id, exists=False, status="", alive=alive)
+    return NodeView(node_id, exists=True, status=node.status, alive=alive,
+                    endpoint=node.endpoint)
+
+
+def owns_workload(workload_id: str, *, shard_count: int, shard_index: int) -> bool:
+    """Which shard places an unassigned workload: crc32(workload id) mod count (our choice;
+    the Go treatment of unassigned workloads in active-active mode is unknown, E4)."""
+    if shard_count <= 1:
+        return True
+    return zlib.crc32(workload_id.encode()) % shard_count == shard_index
+
+
+# -- actions ---------------------------------------------------------------------------------
+
+NOOP = "NoAction"
+BACKOFF_WAIT = "BackoffWait"
+REAPPLY_BACKOFF_WAIT = "ReapplyBackoffWait"
+AWAIT_NODE = "AwaitNodeReturn"
+UNOBSERVED = "Unobserved"
+TERMINAL = "TerminalFailureNoReapply"
+SETTLING = "AwaitSettle"
+FINALIZE = "FinalizeDelete"
+DELETE = "Delete"
+PLACE = "Assign"
+FAILOVER = "Reschedule"
+REAPPLY = "ReapplyRunning"
+APPLY_STOPPED = "ApplyStopped"
+COUNT_FAILURE = "RetryOnFailure"
+SETTLE = "Settle"
+MARK_TERMINAL = "MarkTerminal"
+
+#: actions that make an agent RPC (apply or delete)
+RPC_ACTIONS = frozenset({DELETE, REAPPLY, APPLY_STOPPED})
+#: actions that (may) write etcd
+WRITE_ACTIONS = frozenset({FINALIZE, DELETE, PLACE, FAILOVER, REAPPLY, APPLY_STOPPED,
+                           COUNT_FAILURE, SETTLE, MARK_TERMINAL})
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """What to do with one workload this cycle, and why."""
+
+    kind: str
+    workload_id: str
+    node_id: str = ""
+    reason: str = ""
+    #: the agent state seen in the prefetch (or Missing), for the shell's records
+    observed: str = ""
+
+    @property
+    def rpc(self) -> bool:
+        return self.kind in RPC_ACTIONS
+
+    @property
+    def writes(self) -> bool:
+        return self.kind in WRITE_ACTIONS
+
+
+def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy) -> str:
+    """Why re-applying must stop for good ('' if it must not), E4 ``shouldHaltReapply``."""
+    meta = status.metadata
+    if str(meta.get("retry_terminal", "")).strip().lower() in TRUTHY:
+        return str(meta.get("retry_terminal_reason") or "retry marked terminal")
+    reason = str(meta.get("failure_reason", "")).strip().upper()
+    if reason in TERMINAL_FAILURE_REASONS:
+        return f"non-retryable failure {reason}"
+    if exhausted(status, policy):
+        return f"retry budget exhausted after {status.retry.attempts} attempts"
+    return ""
+
+
+def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: ObservedWorkload | None,
+                  *, node_available: bool, node_observed: bool, now: datetime,
+                  policy: RetryPolicy) -> Action:
+    """The one action for a workload this cycle (see the module docstring for the order).
+
+    Args:
+        observed: the workload in its node's prefetch; None when the node's list did not
+            contain it (then ``node_observed`` says whether the list itself succeeded).
+        node_available: the assigned node exists, is Ready/Active/Draining and alive.
+        node_observed: the assigned node's ListWorkloads succeeded this cycle.
+    """
+    wid = spec.id or status.id
+    node = node_of(status)
+    desired = normalize_desired(spec.desired_state)
+    actual = observed.state if observed is not None else MISSING
+
+    def act(kind: str, reason: str = "") -> Action:
+        return Action(kind, wid, node, reason, actual if node_observed else "")
+
+    # 1. deletion
+    if desired == DELETED:
+        if not node or not node_available:
+            return act(FINALIZE, "no node holds it" if not node else "its node is unavailable")
+        if not node_observed:
+            return act(UNOBSERVED, "its node's workload list is unknown this cycle")
+        if observed is not None:
+            return act(DELETE, "desired Deleted and still on the agent")
+        return act(FINALIZE, "gone from the agent")
+    # 2. terminal
+    why = halted(spec, status, policy)
+    if why:
+        if status.status != FAILED:
+            return act(MARK_TERMINAL, why)
+        return act(TERMINAL, why)
+    # 3. retry backoff gate
+    wait = retry_wait(status, now)
+    if wait is not None:
+        return act(BACKOFF_WAIT, f"retry not before {wait.isoformat()}")
+    # 4. unassigned
+    if not node:
+        return act(PLACE, "not assigned to a node")
+    # 5. failover
+    if not node_available:
+        if is_node_local(spec, status.metadata):
+            return act(AWAIT_NODE, "node-local workload waits for its node")
+        return act(FAILOVER, "assigned node unavailable")
+    if not node_observed:
+        return act(UNOBSERVED, "its node's workload list is unknown this cycle")
+    # 6. observed vs desired
+    reapply_state = ReapplyState.read(status.metadata)
+
+    def guarded(kind: str, reason: str) -> Action:
+        verdict = reapply_guard(reapply_state, revision_id=spec.revision_id,
+                                workload_type=spec.type, now=now, policy=policy)
+        if verdict.active:
+            return act(REAPPLY_BACKOFF_WAIT, verdict.reason)
+        return act(kind, reason)
+
+    revision_drift = (observed is not None and bool(observed.revision_id)
+                      and bool(spec.revision_id) and observed.revision_id != spec.revision_id)
+    if desired == RUNNING:
+        if actual == RUNNING:
+            if revision_drift:
+                return guarded(REAPPLY, "agent runs another revision")
+            if needs_success_reset(status) or status.status != RUNNING:
+                return act(SETTLE, "desired state reached")
+            return act(NOOP)
+        if actual == FAILED:
+            if failure_counted(status):
+                return act(REAPPLY, "retry due after a failed attempt")
+            return act(COUNT_FAILURE, observed.message if observed and observed.message
+                       else "workload failed on the agent")
+        if actual in (MISSING, STOPPED):
+            return guarded(REAPPLY, f"desired Running, agent says {actual}")
+        if revision_drift:
+            return guarded(REAPPLY, "agent holds another revision")
+        return act(SETTLING, f"agent says {actual}")
+    # desired Stopped
+    if actual in (RUNNING, PENDING, UNKNOWN) and observed is not None:
+        if actual == RUNNING or (observed.desired and observed.desired != STOPPED):
+            return guarded(APPLY_STOPPED, f"desired Stopped, agent says {actual}")
+        return act(SETTLING, f"stop in progress ({actual})")
+    if actual == STOPPED and (needs_success_reset(status) or status.status != STOPPED):
+        return act(SETTLE, "desired state reached")
+    return act(NOOP)
+
+
+@dataclass(frozen=True, slots=True)
+class CyclePlan:
+    """Every owned workload's action for one cycle."""
+
+    actions: tuple[Action, ...]
+
+    def needing_io(self) -> list[Action]:
+        return [a for a in self.actions if a.rpc or a.writes]
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in self.actions:
+            out[a.kind] = out.get(a.kind, 0) + 1
+        return out
+
+
+def plan_cycle(
+    specs: Mapping[str, WorkloadSpec],
+    statuses: Mapping[str, WorkloadStatus],
+    *,
+    nodes: Mapping[str, NodeView],
+    observations: Mapping[str, NodeObservation],
+    owns_node: Callable[[str], bool],
+    owns_unassigned: Callable[[str], bool],
+    now: datetime,
+    policy: RetryPolicy,
+    exclude: Collection[str] = (),
+) -> CyclePlan:
+    """Plan every workload this shard owns: those on its nodes, and its share of unassigned ones.
+
+    Workloads without a status record are skipped (a create writes both in one transaction, so
+    that is a half-visible projection, not a state to repair).
+    """
+    actions: list[Action] = []
+    for workload_id, spec in specs.items():
+        if workload_id in exclude:
+            continue
+        status = statuses.get(workload_id)
+        if status is None:
+            continue
+        node = node_of(status)
+        if node:
+            if not owns_node(node):
+                continue
+        elif not owns_unassigned(workload_id):
+            continue
+        view = nodes.get(node) if node else None
+        available = view.available if view is not None else False
+        obs = observations.get(node) if node else None
+        node_observed = obs is not None and obs.ok
+        seen = obs.workloads.get(workload_id) if obs is not None and obs.ok else None
+        actions.append(plan_workload(spec, status, seen, node_available=available,
+                                     node_observed=node_observed, now=now, policy=policy))
+    return CyclePlan(tuple(actions))
+
+
+# -- drift (E7) ------------------------------------------------------------------------------
+
+ORPHAN = "orphan_on_agent"
+STATE_MISMATCH = "state_mismatch"
+REVISION_MISMATCH = "revision_mismatch"
+MISSING_ON_AGENT = "missing_on_agent"
+
+DELETE_ORPHAN = "delete_orphan_on_agent"
+DELETE_RESIDUAL = "delete_deleted_residual_on_agent"
+DELETE_DUPLICATE = "delete_duplicate_on_reporting_node"
+ADOPT = "adopt_orphan_to_reporting_node"
+REASSIGN_MISSING_OWNER = "reassign_from_missing_owner"
+REBIND_ROTATED = "rebind_assignment_to_rotated_node_id"
+FAILOVER_REASSIGN = "failover_reassign_to_reporting_node"
+REASSIGN = "reassign_to_reporting_node"
+INVESTIGATE = "operator_investigation"
+AWAIT_OWNER_APPLY = "await_owner_apply"
+ALIGN_STATUS = "align_scheduler_status"
+REAPPLY_REVISION = "reapply_scheduler_revision"
+RETRY_AND_RECONCILE = "retry_and_reconcile"
+
+ADOPT_ACTIONS = frozenset({ADOPT, REASSIGN_MISSING_OWNER, REBIND_ROTATED, FAILOVER_REASSIGN,
+                           REASSIGN})
+DELETE_ON_AGENT_ACTIONS = frozenset({DELETE_ORPHAN, DELETE_DUPLICATE})
+
+
+@dataclass(frozen=True, slots=True)
+class DriftFinding:
+    """One difference between what the scheduler expects on a node and what its agent holds."""
+
+    node_id: str
+    workload_id: str
+    drift_type: str
+    action: str
+    scheduler_status: str = ""
+    agent_status: str = ""
+    #: for adoptions: the node the workload was assigned to
+    previous_node: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.node_id, self.workload_id, self.drift_type, self.action)
+
+
+def _in_flight(spec: WorkloadSpec | None, status: WorkloadStatus, now: datetime,
+               policy: RetryPolicy) -> bool:
+    """An apply was sent recently enough that the agent's list may not show it yet (I13)."""
+    verdict = reapply_guard(ReapplyState.read(status.metadata),
+                            revision_id=spec.revision_id if spec else "",
+                            workload_type=spec.type if spec else "", now=now, policy=policy)
+    return verdict.active
+
+
+def classify_drift(
+    specs: Mapping[str, WorkloadSpec],
+    statuses: Mapping[str, WorkloadStatus],
+    *,
+    expected: Mapping[str, Collection[str]],
+    nodes: Mapping[str, NodeView],
+    observations: Mapping[str, NodeObservation],
+    now: datetime,
+    policy: RetryPolicy,
+) -> list[DriftFinding]:
+    """Compare every successfully listed node with what is assigned to it (E7).
+
+    ``expected`` maps node id -> workload ids assigned to it. Only nodes in ``observations``
+    with ``ok`` are compared; owners that were not listed count as "unknown" (never "missing").
+    Adoptions are decided first, so ``missing_on_agent`` skips a workload re-bound this cycle,
+    and a workload reported by several non-owners is adopted by one (the lowest node id) and
+    deleted as a duplicate from the others.
+    """
+    findings: list[DriftFinding] = []
+    adopted: set[str] = set()
+    listed = sorted(n for n, o in observations.items() if o.ok)
+    for node_id in listed:
+        obs = observations[node_id]
+        mine = expected.get(node_id, ())
+        here = nodes.get(node_id)
+        for wid in sorted(obs.workloads):
+            seen = obs.workloads[wid]
+            status = statuses.get(wid)
+            spec = specs.get(wid)
+            if wid in mine and status is not None and spec is not None:
+                findings.extend(_expected_drift(node_id, spec, status, seen, now, policy))
+                continue
+            findings.append(_orphan(node_id, here, wid, spec, status, seen, nodes,
+                                    observations, adopted, now, policy))
+    for node_id in listed:
+        obs = observations[node_id]
+        for wid in sorted(expected.get(node_id, ())):
+            if wid in obs.workloads or wid in adopted:
+                continue
+            spec = specs.get(wid)
+            status = statuses.get(wid)
+            if spec is None or status is None or node_of(status) != node_id:
+                continue
+            if normalize_desired(spec.desired_state) == DELETED or status.status in (
+                    "Deleting", "Deleted"):
+                continue
+            if _in_flight(spec, status, now, policy):
+                continue
+            findings.append(DriftFinding(node_id, wid, MISSING_ON_AGENT, RETRY_AND_RECONCILE,
+                                         status.status, MISSING))
+    return findings
+
+
+def _expected_drift(node_id: str, spec: WorkloadSpec, status: WorkloadStatus,
+                    seen: ObservedWorkload, now: datetime,
+                    policy: RetryPolicy) -> list[DriftFinding]:
+    wid = spec.id or status.id
+    if normalize_desired(spec.desired_state) == DELETED:
+        return [DriftFinding(node_id, wid, ORPHAN, DELETE_RESIDUAL, status.status, seen.state)]
+    out: list[DriftFinding] = []
+    if (seen.revision_id and spec.revision_id and seen.revision_id != spec.revision_id
+            and not _in_flight(spec, status, now, policy)):
+        out.append(DriftFinding(node_id, wid, REVISION_MISMATCH, REAPPLY_REVISION,
+                                status.status, seen.state))
+    settled = seen.state in (RUNNING, STOPPED, FAILED)
+    if (settled and status.status in COMPARABLE_STATUSES and status.status != seen.state
+            and not (seen.revision_id and spec.revision_id
+                     and seen.revision_id != spec.revision_id)):
+        out.append(DriftFinding(node_id, wid, STATE_MISMATCH, ALIGN_STATUS, status.status,
+                                seen.state))
+    return out
+
+
+def _orphan(node_id: str, here: NodeView | None, wid: str, spec: WorkloadSpec | None,
+            status: WorkloadStatus | None, seen: ObservedWorkload,
+            nodes: Mapping[str, NodeView], observations: Mapping[str, NodeObservation],
+            adopted: set[str], now: datetime, policy: RetryPolicy) -> DriftFinding:
+    """Classify a workload an agent holds but the scheduler assigned elsewhere (or nowhere)."""
+
+    def finding(action: str, previous: str = "") -> DriftFinding:
+        if action in ADOPT_ACTIONS:
+            if wid in adopted:
+                action = DELETE_DUPLICATE
+            else:
+                adopted.add(wid)
+        return DriftFinding(node_id, wid, ORPHAN, action,
+                            status.status if status is not None else "", seen.state, previous)
+
+    if spec is None or status is None:
+        return finding(DELETE_ORPHAN)
+    if normalize_desired(spec.desired_state) == DELETED or status.status in ("Deleting",
+                                                                             "Deleted"):
+        return finding(DELETE_RESIDUAL)
+    owner = node_of(status)
+    if not owner or owner == node_id:
+        return finding(ADOPT, owner)
+    owner_view = nodes.get(owner)
+    if owner_view is None or not owner_view.exists:
+        return finding(REASSIGN_MISSING_OWNER, owner)
+    if here is not None and _real(here.endpoint) and owner_view.endpoint == here.endpoint:
+        return finding(REBIND_ROTATED, owner)
+    owner_obs = observations.get(owner)
+    if owner_obs is not None and owner_obs.ok:
+        if wid in owner_obs.workloads:
+            return finding(DELETE_DUPLICATE, owner)
+        if _in_flight(spec, status, now, policy):
+            return finding(AWAIT_OWNER_APPLY, owner)
+        return finding(REASSIGN, owner)
+    if not owner_view.available or (owner_obs is not None and owner_obs.unreachable):
+        return finding(FAILOVER_REASSIGN, owner)
+    return finding(INVESTIGATE, owner)
+
+
+def _real(endpoint: str) -> bool:
+    """An endpoint with a host (a record without address fields renders as ``:0``)."""
+    host, _, port = endpoint.rpartition(":")
+    return bool(host) and port not in ("", "0")
+
+
+class DriftDeduper:
+    """Admits one DriftDetected per (node, workload, type, action) per window (E7: 2 min).
+
+    Bounded: above ``max_entries`` the entries older than the window are pruned, and if that is
+    not enough the oldest are dropped (a dropped key may be reported again: harmless).
+    """
+
+    def __init__(self, *, window_s: float = 120.0, max_entries: int = 4096) -> None:
+        self.window = timedelta(seconds=window_s)
+        self.max_entries = max_entries
+        self._seen: OrderedDict[tuple[str, str, str, str], datetime] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def admit(self, key: tuple[str, str, str, str], now: datetime) -> bool:
+        last = self._seen.get(key)
+        if last is not None and now - last < self.window:
+            return False
+        self._seen[key] = now
+        self._seen.move_to_end(key)
+        if len(self._seen) > self.max_entries:
+            self._prune(now)
+        return True
+
+    def _prune(self, now: datetime) -> None:
+        for key in [k for k, t in self._seen.items() if now - t >= self.window]:
+            del self._seen[key]
+        while len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+
+
+# -- node monitor (E1) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCheck:
+    """The inputs of the node monitor for one node."""
+
+    node_id: str
+    status: str
+    #: the liveness key is absent *and* the alive projection has caught up with the node record
+    lease_gone: bool
+    status_updated_at: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorPlan:
+    lost: tuple[str, ...]
+    collect: tuple[str, ...]
+
+
+def plan_node_monitor(checks: Iterable[NodeCheck], *, now: datetime,
+                      gc_after_s: float) -> MonitorPlan:
+    """Ready nodes whose liveness lease expired become NotReady; NotReady nodes older than
+    ``gc_after_s`` (measured from ``statusUpdatedAt``; 0 disables) are removed."""
+    lost: list[str] = []
+    collect: list[str] = []
+    for check in checks:
+        status = check.status.lower()
+        if status in MONITORED_NODE_STATUSES and check.lease_gone:
+            lost.append(check.node_id)
+        elif status == "notready" and gc_after_s > 0 and check.lease_gone:
+            since = parse_rfc3339(check.status_updated_at)
+            if since is not None and now - since >= timedelta(seconds=gc_after_s):
+                collect.append(check.node_id)
+    return MonitorPlan(tuple(sorted(lost)), tuple(sorted(collect)))
+
+
+def observed_from_agent(status: Any) -> ObservedWorkload:
+    """An agent ``WorkloadStatus`` message -> ObservedWorkload (duck-typed: no proto import)."""
+    desired = {1: RUNNING, 2: STOPPED}.get(int(getattr(status, "desired_state", 0)), "")
+    return ObservedWorkload(
+        workload_id=str(status.id),
+        state=AGENT_STATES.get(int(status.actual_state), UNKNOWN),
+        revision_id=str(getattr(status, "revision_id", "")),
+        desired=desired,
+        message=str(getattr(status, "message", "")),
+    )

@@ -1,0 +1,301 @@
+"""Scenario ``reconcile``: the steady state of N nodes x W workloads.
+
+The workloads are created through the API (``--clients`` in flight) and the scenario waits
+until the agents run them and the scheduler counts them Running. Then, with no API call, it
+watches ``--cycles`` reconcile cycles per replica:
+
+* cycle times are exact, not bucket estimates: ``/metrics`` is scraped every 0.2 s, and when a
+  replica's ``reconcile_cycles_total`` moved by one, the cycle took the delta of
+  ``reconcile_cycle_seconds_sum``;
+* per-cycle agent RPCs and etcd writes are the scheduler's counter deltas from the end of the
+  first observed cycle (a boundary, so no partial cycle is counted) to the end of the last;
+* etcd writes per second come from the bench's own watch over the whole quiet window (any
+  writer: heartbeat-driven status and node updates, and the cycles' writes if any);
+* RSS is read from /proc once the state is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ops.benchlib.etcdwatch import WriteCounter
+from ops.benchlib.procs import CpuMeter, rss_mib
+from ops.benchlib.promtext import MetricsSnapshot
+from ops.benchlib.quantiles import percentile
+from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+
+FIGURES = (
+    "cycle_time_p50_ms",
+    "cycle_time_p99_ms",
+    "agent_rpcs_per_cycle",
+    "etcd_writes_per_cycle",
+    "heartbeat_etcd_writes_per_s",
+    "scheduler_rss_mib",
+)
+CYCLES = "persys_scheduler_reconcile_cycles_total"
+CYCLE_SUM = "persys_scheduler_reconcile_cycle_seconds_sum"
+CYCLE_COUNT = "persys_scheduler_reconcile_cycle_seconds_count"
+RPCS = "persys_scheduler_agent_rpcs_total"
+WRITES = "persys_scheduler_etcd_writes_total"
+HEARTBEATS = "persys_scheduler_heartbeats_total"
+SCRAPE_EVERY_S = 0.2
+CYCLE_KEYS = ("cycle_time_p50_ms", "cycle_time_p99_ms", "agent_rpcs_per_cycle",
+              "etcd_writes_per_cycle")
+
+
+@dataclass
+class _Replica:
+    """One replica's cycles as the scrapes saw them."""
+
+    last: MetricsSnapshot | None
+    #: Snapshot at the end of the first cycle seen (the boundary); None until then.
+    base: MetricsSnapshot | None = None
+    end: MetricsSnapshot | None = None
+    cycles: int = 0
+    durations_s: list[float] = field(default_factory=list)
+    #: Scrapes in which more than one cycle completed (their durations are averages).
+    merged: int = 0
+
+    def feed(self, snap: MetricsSnapshot | None, wanted: int) -> bool:
+        """Take a new scrape; return True when a cycle ended in it."""
+        prev, self.last = self.last, snap
+        if prev is None or snap is None or self.end is not None:
+            return False
+        done = snap.total(CYCLES) - prev.total(CYCLES)
+        if done <= 0:
+            return False
+        if self.base is None:
+            self.base = snap
+            return True
+        n = int(done)
+        spent = snap.total(CYCLE_SUM) - prev.total(CYCLE_SUM)
+        observed = snap.total(CYCLE_COUNT) - prev.total(CYCLE_COUNT)
+        if observed >= 1:
+            self.durations_s.extend([spent / observed] * n)
+            if observed > 1:
+                self.merged += 1
+        self.cycles += n
+        if self.cycles >= wanted:
+            self.end = snap
+        return True
+
+
+async def run(ctx: BenchContext) -> Outcome:
+    out = Outcome.empty(FIGURES)
+    report = await ctx.create_workloads(ctx.args.workloads)
+    created = len(report.committed)
+    if report.rejected:
+        out.notes["create"] = (f"{report.rejected_count} of {ctx.args.workloads} rejected: "
+                               + report.describe_rejections())
+    missing = await ctx.wait_running(created, timeout=ctx.running_timeout(created))
+    if missing:
+        out.notes["steady"] = "not steady before the window: " + missing
+    ctx.log(f"steady state: {created} workloads; observing {ctx.args.cycles} reconcile cycles")
+
+    _rss(ctx, out)
+    await _observe(ctx, out)
+    return out
+
+
+def _rss(ctx: BenchContext, out: Outcome) -> None:
+    key = "scheduler_rss_mib"
+    pids = ctx.stack.scheduler_pids
+    if not pids:
+        out.null(key, "the bench did not start the scheduler; pass --scheduler-pid to measure it")
+        return
+    sizes = {name: rss_mib(pid) for name, pid in pids.items()}
+    known = {n: s for n, s in sizes.items() if s is not None}
+    if not known:
+        out.null(key, "could not read VmRSS from /proc")
+        return
+    out.figures[key] = round(max(known.values()), 1)
+    if len(known) > 1:
+        out.note(key, "the largest replica; " + ", ".join(f"{n} {s:.0f} MiB"
+                                                          for n, s in known.items()))
+
+
+@dataclass
+class _AgentSpan:
+    """The agents' own RPC count between the moment every replica passed its first cycle
+    boundary and the moment every replica finished; cycles per shard over the same span."""
+
+    base: Counter[str] | None = None
+    end: Counter[str] | None = None
+    cycles_base: float = 0.0
+    cycles_end: float = 0.0
+
+    @staticmethod
+    def _rpcs(stats: dict[str, Any]) -> Counter[str]:
+        return Counter({k: int(v) for k, v in (stats.get("rpcs") or {}).items()})
+
+    async def mark(self, ctx: BenchContext, replicas: list[_Replica]) -> None:
+        cycles = sum(r.last.total(CYCLES) for r in replicas if r.last is not None)
+        if self.base is None and all(r.base is not None for r in replicas):
+            self.base = self._rpcs(await ctx.stack.fleet_stats())
+            self.cycles_base = cycles / len(replicas)
+        elif self.end is None and all(r.end is not None for r in replicas):
+            self.end = self._rpcs(await ctx.stack.fleet_stats())
+            self.cycles_end = cycles / len(replicas)
+
+    def describe(self) -> str:
+        if self.base is None or self.end is None or self.cycles_end <= self.cycles_base:
+            return ""
+        per_cycle = self.end - self.base
+        cycles = self.cycles_end - self.cycles_base
+        total = sum(per_cycle.values()) / cycles
+        methods = ", ".join(f"{m} {n / cycles:g}" for m, n in per_cycle.most_common())
+        return (f"the agents themselves counted {total:g} per cycle over the same "
+                f"{cycles:g} cycle(s) per shard ({methods or 'none'})")
+
+
+async def _observe(ctx: BenchContext, out: Outcome) -> None:
+    stack = ctx.stack
+    interval = float(ctx.args.reconcile_interval)
+    wanted = ctx.args.cycles
+    loop = asyncio.get_running_loop()
+    first = await stack.scrape()
+    replicas = [_Replica(last=s) for s in first]
+    exported = any(s is not None and s.exports(CYCLES) for s in first)
+    stats0 = await stack.fleet_stats()
+    agents = _AgentSpan()
+    watch = WriteCounter(stack.etcd_url, stack.etcd_root) if stack.etcd_url else None
+    if watch is not None:
+        await watch.start()
+    cpu = CpuMeter(stack.process_pids())
+    cpu.start()
+    t0 = loop.time()
+    # a cycle must end within two intervals plus a slow cycle's worth of time, or nothing runs
+    patience = 2 * interval + 10.0
+    last_progress = t0
+    try:
+        while exported and any(r.end is None for r in replicas):
+            if loop.time() - last_progress > patience:
+                break
+            await asyncio.sleep(SCRAPE_EVERY_S)
+            snaps = await stack.scrape()
+            ended = False
+            for replica, snap in zip(replicas, snaps, strict=True):
+                if replica.feed(snap, wanted):
+                    ended = True
+                    last_progress = loop.time()
+                    # once cycles run, allow for cycles longer than the interval
+                    patience = max(patience, 2 * interval + 4 * max(replica.durations_s or [0]))
+            if ended:
+                await agents.mark(ctx, replicas)
+        if not exported or all(r.base is None for r in replicas):
+            # nothing to wait for: still give the write-rate window a fair length
+            remaining = t0 + patience - loop.time()
+            if remaining > 0:
+                await asyncio.sleep(remaining)
+        # every node should heartbeat at least once in the write-rate window
+        remaining = t0 + float(ctx.args.heartbeat_interval) - loop.time()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+    finally:
+        cpu.stop()
+        if watch is not None:
+            await watch.stop()
+    window_s = loop.time() - t0
+    stats1 = await stack.fleet_stats()
+    out.notes["cpu"] = f"during the window: {cpu.describe()}"
+    _cycle_figures(out, replicas, exported, interval, window_s, agents)
+    _write_rate(out, watch, window_s, stats0, stats1)
+
+
+def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, interval: float,
+                   window_s: float, agents: _AgentSpan) -> None:
+    if not any(r.last is not None for r in replicas):
+        for key in CYCLE_KEYS:
+            out.null(key, "no /metrics to read (pass --metrics HOST:PORT)")
+        return
+    if not exported:
+        for key in CYCLE_KEYS:
+            out.null(key, f"the target exports no {CYCLES}")
+        return
+    done = [r for r in replicas if r.base is not None and r.cycles > 0]
+    if not done:
+        started = sum(1 for r in replicas if r.base is not None)
+        why = (f"{CYCLES} did not advance in {window_s:.0f}s (reconcile interval "
+               f"{interval:g}s): no reconcile loop ran" if not started else
+               f"only the first cycle ended within {window_s:.0f}s; no whole cycle to measure")
+        for key in CYCLE_KEYS:
+            out.null(key, why)
+        return
+    durations = [d for r in done for d in r.durations_s]
+    p50, p99 = percentile(durations, 0.5), percentile(durations, 0.99)
+    if p50 is not None and p99 is not None:
+        out.figures["cycle_time_p50_ms"] = round(p50 * 1000, 1)
+        out.figures["cycle_time_p99_ms"] = round(p99 * 1000, 1)
+        merged = sum(r.merged for r in done)
+        out.note("cycle_time_p99_ms", f"{len(durations)} cycles over {len(done)} replica(s), "
+                 "each timed exactly from the histogram's sum and count"
+                 + (f"; {merged} scrape(s) held several cycles (averaged)" if merged else ""))
+    short = [i for i, r in enumerate(replicas) if r.end is None]
+    if short:
+        out.note("cycle_time_p99_ms", f"replica(s) {short} ran fewer cycles than asked")
+    rpcs = 0.0
+    writes = 0.0
+    by_method: Counter[str] = Counter()
+    by_category: Counter[str] = Counter()
+    for r in done:
+        assert r.base is not None
+        end = r.end or r.last
+        assert end is not None
+        delta = end.minus(r.base)
+        rpcs += delta.total(RPCS) / r.cycles
+        writes += delta.total(WRITES) / r.cycles
+        for method, n in delta.by_label(RPCS, "method").items():
+            by_method[method] += round(n / r.cycles)
+        for category, n in delta.by_label(WRITES, "category").items():
+            by_category[category] += round(n / r.cycles)
+    if any(r.last is not None and r.last.exports(RPCS) for r in done):
+        out.figures["agent_rpcs_per_cycle"] = round(rpcs, 1)
+        out.note("agent_rpcs_per_cycle", "by method: " + _fmt(by_method))
+    else:
+        out.null("agent_rpcs_per_cycle", f"the target exports no {RPCS}")
+    witness = agents.describe()
+    if witness:
+        out.note("agent_rpcs_per_cycle", witness)
+    if any(r.last is not None and r.last.exports(WRITES) for r in done):
+        out.figures["etcd_writes_per_cycle"] = round(writes, 2)
+        if by_category:
+            out.note("etcd_writes_per_cycle", "by category (heartbeats' included): "
+                     + _fmt(by_category))
+    else:
+        out.null("etcd_writes_per_cycle", f"the target exports no {WRITES}")
+
+
+def _fmt(counts: Counter[str] | dict[str, float]) -> str:
+    items = sorted(((k, v) for k, v in counts.items() if v), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v:g}" for k, v in items) or "none"
+
+
+def _write_rate(out: Outcome, watch: WriteCounter | None, window_s: float,
+                stats0: dict[str, Any], stats1: dict[str, Any]) -> None:
+    key = "heartbeat_etcd_writes_per_s"
+    if watch is None:
+        out.null(key, "no etcd endpoint to watch (pass --etcd URL)")
+        return
+    if watch.error:
+        out.note(key, watch.error)
+    out.figures[key] = round(watch.writes / window_s, 3) if window_s > 0 else None
+    beats = int((stats1.get("control") or {}).get("heartbeats_ok", 0)) - int(
+        (stats0.get("control") or {}).get("heartbeats_ok", 0))
+    groups = _fmt(dict(watch.by_group))
+    out.note(key, f"{watch.writes} writes ({groups}) in a {window_s:.1f}s window without API "
+             f"calls (store revision {watch.start_revision - 1} -> {watch.end_revision}); "
+             f"{beats} heartbeats answered in it"
+             + (f" ({watch.writes / beats:.3f} writes per heartbeat)" if beats else "")
+             + "; the cycles' own writes, if any, are included")
+
+
+SCENARIO = Scenario(
+    name="reconcile",
+    summary="steady state of N nodes x W workloads: reconcile cycle time, RPCs and writes",
+    figures=FIGURES,
+    run=run,
+    ha="shards",
+)

@@ -1,0 +1,157 @@
+"""``persys-scheduler bench``: the JSON contract of BENCH.md, end to end, at tiny sizes.
+
+Each scenario runs as an operator runs it (a subprocess of ``persys-scheduler bench ... --json``
+starting its own etcd, Redis, scheduler and simulated fleet); the test reads the last line of
+its output. The pure pieces (Prometheus text, quantiles, key grouping) are tested directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ops.benchlib.etcdwatch import key_group
+from ops.benchlib.promtext import MetricsSnapshot
+from ops.benchlib.quantiles import bucket_quantile, percentile
+from ops.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: BENCH.md, "Scenarios and the names of their figures" (exact keys).
+BENCH_FIGURES = {
+    "place": {"placements_per_s", "apply_latency_p50_ms", "apply_latency_p99_ms",
+              "decision_p99_ms", "etcd_txns_per_placement", "nodes_over_capacity", "rejected"},
+    "reconcile": {"cycle_time_p50_ms", "cycle_time_p99_ms", "agent_rpcs_per_cycle",
+                  "etcd_writes_per_cycle", "heartbeat_etcd_writes_per_s", "scheduler_rss_mib"},
+    "churn": {"killed", "recovery_s", "agent_rpcs_during_recovery"},
+}
+TOP_KEYS = {"scenario", "nodes", "workloads", "replicas", "figures", "notes"}
+#: Short intervals so that steady state, cycles and recovery happen within seconds.
+FAST = ["--nodes", "5", "--workloads", "20", "--replicas", "1", "--heartbeat-interval", "1",
+        "--reconcile-interval", "1"]
+
+
+def run_bench(*args: str, limit_s: float = 60.0) -> tuple[dict, float]:
+    began = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "bench", *args, "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=limit_s + 30, check=False)
+    elapsed = time.monotonic() - began
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    last = proc.stdout.strip().splitlines()[-1]
+    return json.loads(last), elapsed
+
+
+def check_contract(result: dict, scenario: str) -> None:
+    assert set(result) == TOP_KEYS
+    assert result["scenario"] == scenario
+    assert (result["nodes"], result["workloads"], result["replicas"]) == (5, 20, 1)
+    assert set(result["figures"]) == BENCH_FIGURES[scenario]
+    for key, value in result["figures"].items():
+        if value is None:
+            assert result["notes"].get(key), f"{key} is null without a reason"
+        else:
+            assert isinstance(value, int | float), key
+            assert not isinstance(value, bool), key
+            assert math.isfinite(value), key
+    assert all(isinstance(v, str) for v in result["notes"].values())
+
+
+@pytest.mark.timeout(120)
+def test_place_contract_and_no_node_over_capacity():
+    result, elapsed = run_bench("place", *FAST, "--clients", "4")
+    check_contract(result, "place")
+    figures = result["figures"]
+    assert figures["nodes_over_capacity"] == 0
+    assert figures["rejected"] == 0, result["notes"]
+    assert figures["placements_per_s"] > 0
+    assert figures["apply_latency_p50_ms"] <= figures["apply_latency_p99_ms"]
+    assert elapsed < 60
+
+
+@pytest.mark.timeout(120)
+def test_reconcile_contract():
+    result, elapsed = run_bench("reconcile", *FAST, "--cycles", "2")
+    check_contract(result, "reconcile")
+    assert result["figures"]["scheduler_rss_mib"] > 0
+    assert result["figures"]["heartbeat_etcd_writes_per_s"] is not None
+    assert elapsed < 60
+
+
+@pytest.mark.timeout(120)
+def test_churn_contract():
+    result, elapsed = run_bench("churn", *FAST, "--recovery-timeout", "15")
+    check_contract(result, "churn")
+    assert result["figures"]["killed"] == 2  # 10% of 20
+    assert elapsed < 60
+
+
+def test_misuse_is_refused_without_starting_anything(capsys):
+    args = build_parser().parse_args(["bench", "place", "--metrics", "127.0.0.1:1"])
+    assert args.func(args) == 2
+    assert "--metrics needs --scheduler" in capsys.readouterr().err
+
+
+# -- pure pieces ---------------------------------------------------------------------------------
+
+METRICS = """\
+# HELP persys_scheduler_etcd_txns_total etcd transactions
+# TYPE persys_scheduler_etcd_txns_total counter
+persys_scheduler_etcd_txns_total{kind="placement",result="committed"} 10.0
+persys_scheduler_etcd_txns_total{kind="placement",result="conflict"} 2.0
+persys_scheduler_etcd_txns_total{kind="dispatch",result="committed"} 5.0
+# TYPE persys_scheduler_agent_rpcs_total counter
+# TYPE persys_scheduler_reconcile_cycle_seconds histogram
+persys_scheduler_reconcile_cycle_seconds_bucket{le="0.1"} 1.0
+persys_scheduler_reconcile_cycle_seconds_bucket{le="1.0"} 3.0
+persys_scheduler_reconcile_cycle_seconds_bucket{le="+Inf"} 4.0
+persys_scheduler_reconcile_cycle_seconds_sum 5.5
+persys_scheduler_reconcile_cycle_seconds_count 4.0
+odd_metric{label="a \\"quoted\\" value"} 1
+"""
+
+
+def test_prometheus_text_sums_subtracts_and_knows_what_is_exported():
+    snap = MetricsSnapshot.parse(METRICS)
+    assert snap.total("persys_scheduler_etcd_txns_total") == 17
+    assert snap.total("persys_scheduler_etcd_txns_total", result="conflict") == 2
+    assert snap.by_label("persys_scheduler_etcd_txns_total", "kind") == {
+        "placement": 12, "dispatch": 5}
+    assert snap.exports("persys_scheduler_agent_rpcs_total")  # declared, no child yet
+    assert not snap.exports("persys_scheduler_heartbeats_total")
+    assert snap.total("odd_metric", label='a "quoted" value') == 1
+    twice = MetricsSnapshot.merge([snap, snap])
+    assert twice.minus(snap).total("persys_scheduler_etcd_txns_total") == 17
+    assert snap.buckets("persys_scheduler_reconcile_cycle_seconds") == [
+        (0.1, 1), (1.0, 3), (math.inf, 4)]
+
+
+def test_bucket_quantile_interpolates_and_flags_the_inf_bucket():
+    buckets = [(0.1, 1.0), (1.0, 3.0), (math.inf, 4.0)]
+    value, caveat = bucket_quantile(buckets, 0.5)
+    assert value == pytest.approx(0.1 + 0.9 * (2 - 1) / 2)
+    assert caveat == ""
+    value, caveat = bucket_quantile(buckets, 0.99)
+    assert value == 1.0
+    assert "lower bound" in caveat
+    assert bucket_quantile([(1.0, 0.0), (math.inf, 0.0)], 0.99) == (None, "")
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0
+    assert percentile(list(range(1, 101)), 0.99) == 99
+
+
+def test_writes_are_grouped_by_prefix():
+    assert key_group("/nodes/n1/status") == "/nodes/"
+    assert key_group("/persys/scheduler/alive/n1") == "/persys/scheduler/alive/"
+    assert key_group("/persys/scheduler/initialized") == "/persys/scheduler/initialized"
+    assert key_group("/t/abc/workloads-status/w1", "/t/abc") == "/workloads-status/"

