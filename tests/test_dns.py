@@ -1,0 +1,69 @@
+"""Per-replica CoreDNS records, served by a real CoreDNS with the etcd plugin."""
+
+from __future__ import annotations
+
+import dns.exception
+import dns.resolver
+import pytest
+
+from ops.coredns import CoreDnsProcess, find_coredns_binary
+from tests.fixtures.replicas import ReplicaSet
+from tests.fixtures.waiting import wait_for_sync
+
+
+@pytest.fixture
+def coredns(etcd_private, key_root, tmp_path):
+    binary = find_coredns_binary()
+    assert binary, ("CoreDNS is not built: run `python -m ops.coredns --build` "
+                    "(.ci/run does); this test needs a real CoreDNS")
+    proc = CoreDnsProcess(binary).start(tmp_path / "coredns", zone="persys.local",
+                                        etcd_url=etcd_private.url, path=f"{key_root}/skydns")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _answers(port: int, name: str, rtype: str) -> list[str]:
+    resolver = dns.resolver.Resolver(configure=False)
+    resolver.nameservers = ["127.0.0.1"]
+    resolver.port = port
+    resolver.lifetime = 2.0
+    try:
+        return sorted(str(r) for r in resolver.resolve(name, rtype))
+    except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer, dns.exception.Timeout):
+        return []
+
+
+@pytest.mark.fault
+def test_each_replica_has_its_own_records_and_a_killed_one_disappears(
+    coredns, etcd_private, key_root, tmp_path
+):
+    replicas = ReplicaSet(tmp_path, {
+        "ETCD_ENDPOINTS": etcd_private.endpoint, "SCHEDULER_ETCD_ROOT": key_root,
+        "SCHEDULER_DNS_LEASE_TTL": "3", "SCHEDULER_LEADER_LEASE_TTL": "3",
+        "DOMAIN": "persys.local"})
+    try:
+        for i in (1, 2, 3):
+            replicas.add(f"dns-r{i}", SCHEDULER_ADVERTISE_IP=f"127.0.0.{i}").start()
+        srv = wait_for_sync(
+            lambda: (r := _answers(coredns.port, "_persys-scheduler.persys.local", "SRV"))
+            and len(r) == 3 and r, timeout=15, message="three SRV records")
+        ports = {int(a.split()[2]) for a in srv}
+        assert ports == {r.grpc_port for r in replicas.replicas}
+        a_records = _answers(coredns.port, "persys-scheduler.persys.local", "A")
+        assert a_records == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+        replicas.replicas[1].kill()  # no clean shutdown: the lease must expire
+        wait_for_sync(lambda: len(_answers(coredns.port, "_persys-scheduler.persys.local",
+                                           "SRV")) == 2, timeout=8,
+                      message="the killed replica's SRV record expires with its lease")
+        assert _answers(coredns.port, "persys-scheduler.persys.local", "A") == [
+            "127.0.0.1", "127.0.0.3"]
+
+        replicas.replicas[0].stop()  # clean shutdown deregisters at once
+        wait_for_sync(lambda: len(_answers(coredns.port, "_persys-scheduler.persys.local",
+                                           "SRV")) == 1, timeout=3,
+                      message="a cleanly stopped replica removes its records")
+    finally:
+        replicas.stop_all()
