@@ -116,6 +116,10 @@ class KeyLayout:
     def alive(self, node_id: str) -> str:
         return self._k(f"/persys/scheduler/alive/{node_id}")
 
+    def leadership_record(self, label: str) -> str:
+        """Who led a shard last (never under the election prefix, which Go ranges)."""
+        return self._k(f"/persys/scheduler/leadership/{label}")
+
     def leader_election(self, *, active_active: bool, shard_index: int) -> str:
         """The Go version's election prefix (``concurrency.Election`` semantics)."""
         if active_active:

@@ -18,6 +18,7 @@ re-campaigns after a short backoff with a new session (never re-granting a lost 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import zlib
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,7 @@ from eventsource.clock import Clock
 from eventsource.commit import Change, Committer
 from eventsource.election import Election, Leadership, Session
 from eventsource.errors import Conflict, LeaseLost, NotLeader, StoreError
-from eventsource.etcd import AsyncEtcd, Compare
+from eventsource.etcd import AsyncEtcd, Compare, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
@@ -203,11 +204,7 @@ class LeaderGate:
         log.warning("leadership gained election_key=%s term=%d instance_id=%s",
                     leadership.key, leadership.term, self.instance_id)
         try:
-            await self.committer.commit(Change(kind="leader", events=[Event(
-                type="LeaderElected", reason="leadership gained",
-                details={"instance_id": self.instance_id, "election_key": leadership.key,
-                         "term": str(leadership.term)}, timestamp=self.clock.now())]),
-                fenced=True)
+            await self._record_gain(leadership)
         except (Conflict, StoreError) as exc:
             log.warning("LeaderElected not recorded: %s", exc)
         for callback in self.on_gain:
@@ -227,6 +224,62 @@ class LeaderGate:
         except (StoreError, TimeoutError) as exc:
             log.info("resign after loss: %s", exc)
 
+    async def step_down(self) -> None:
+        """Clean shutdown while leading: record LeaderLost (fenced), then the caller resigns."""
+        lead = self.leadership
+        if lead is None or not self.renew_ok():
+            return
+        self._stop_jobs()
+        await self._cancel_group()
+        try:
+            async with asyncio.timeout(2.0):
+                await self._record_loss(lead, reason="leader stepped down")
+        except (Conflict, StoreError, TimeoutError) as exc:
+            log.info("LeaderLost not recorded at step-down: %s", exc)
+
+    # -- the leadership record: every leadership event is a fenced write -------------------
+    def _event(self, kind: str, reason: str, *, instance_id: str, key: str,
+               term: int) -> Event:
+        return Event(type=kind, reason=reason, timestamp=self.clock.now(),
+                     details={"instance_id": instance_id, "election_key": key,
+                              "term": str(term)})
+
+    async def _record_gain(self, lead: Leadership) -> None:
+        """LeaderElected, and LeaderLost for a predecessor that could not say so itself.
+
+        A leader that loses its lease must not write anything after its successor exists, so
+        the successor records the predecessor's loss, in the same fenced transaction.
+        """
+        record_key = self.layout.leadership_record(self._shard_label)
+        current = await self.etcd.get(record_key)
+        events: list[Event] = []
+        if current is not None:
+            previous = json.loads(current.value)
+            if not previous.get("lost") and int(previous.get("term", 0)) != lead.term:
+                events.append(self._event(
+                    "LeaderLost", "leadership lost (lease expired); recorded by the successor",
+                    instance_id=str(previous.get("instanceId", "")),
+                    key=str(previous.get("electionKey", "")), term=int(previous.get("term", 0))))
+        events.append(self._event("LeaderElected", "leadership gained",
+                                  instance_id=self.instance_id, key=lead.key, term=lead.term))
+        body = {"instanceId": self.instance_id, "electionKey": lead.key, "term": lead.term,
+                "lost": False}
+        await self.committer.commit(Change(
+            kind="leader",
+            compares=[Compare.mod(record_key, current.mod_revision if current else 0)],
+            puts=[Put(record_key, json.dumps(body).encode(), category="election")],
+            events=events), fenced=True)
+
+    async def _record_loss(self, lead: Leadership, *, reason: str) -> None:
+        record_key = self.layout.leadership_record(self._shard_label)
+        body = {"instanceId": self.instance_id, "electionKey": lead.key, "term": lead.term,
+                "lost": True}
+        await self.committer.commit(Change(
+            kind="leader",
+            puts=[Put(record_key, json.dumps(body).encode(), category="election")],
+            events=[self._event("LeaderLost", reason, instance_id=self.instance_id,
+                                key=lead.key, term=lead.term)]), fenced=True)
+
     async def _demote(self) -> None:
         """Stop all leader-only work, then drop the role (called on every exit path)."""
         lead = self.leadership
@@ -240,11 +293,3 @@ class LeaderGate:
         self.metrics.leader_transitions.labels(self._shard_label, "lost").inc()
         for callback in self.on_loss:
             callback()
-        try:
-            async with asyncio.timeout(2.0):
-                await self.committer.commit(Change(kind="leader", events=[Event(
-                    type="LeaderLost", reason="leadership lost",
-                    details={"instance_id": self.instance_id, "election_key": lead.key,
-                             "term": str(lead.term)}, timestamp=self.clock.now())]))
-        except (Conflict, StoreError, TimeoutError) as exc:
-            log.info("LeaderLost not recorded: %s", exc)

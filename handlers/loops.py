@@ -471,11 +471,14 @@ class ReconcileLoop(_Shell):
             cpu_m, mem_mb = request_of(spec)
             c.placer.reserve(workload_id, placed.node_id, cpu_m, mem_mb)
             try:
-                await self.committer.commit(change, fenced=True)
+                committed = await self.committer.commit(change, fenced=True)
             except Conflict as exc:
                 c.placer.release(workload_id)
                 await c._catch_up(exc)
                 raise
+            # the dispatcher records the apply's outcome on the status record: let this
+            # replica's projection show the placement first, or that record is lost
+            await self.cluster.wait_for(committed.revision, which=("statuses",))
             self.dispatcher.apply(spec, placed.status.metadata, placed.node_id,
                                   spec.desired_state)
             return True

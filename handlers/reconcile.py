@@ -178,6 +178,17 @@ class Action:
         return self.kind in WRITE_ACTIONS
 
 
+#: statuses written by a placement or an update, after which the dispatcher sends the apply
+DISPATCHED_STATUSES = frozenset({"Scheduled", "Updating"})
+
+
+def dispatched_at(status: WorkloadStatus) -> datetime | None:
+    """When the apply after a placement/update went out, if no apply outcome was recorded."""
+    if status.status not in DISPATCHED_STATUSES:
+        return None
+    return parse_rfc3339(status.status_info.last_updated)
+
+
 def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy) -> str:
     """Why re-applying must stop for good ('' if it must not), E4 ``shouldHaltReapply``."""
     meta = status.metadata
@@ -244,7 +255,8 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
 
     def guarded(kind: str, reason: str) -> Action:
         verdict = reapply_guard(reapply_state, revision_id=spec.revision_id,
-                                workload_type=spec.type, now=now, policy=policy)
+                                workload_type=spec.type, now=now, policy=policy,
+                                dispatched_at=dispatched_at(status))
         if verdict.active:
             return act(REAPPLY_BACKOFF_WAIT, verdict.reason)
         return act(kind, reason)
@@ -383,7 +395,8 @@ def _in_flight(spec: WorkloadSpec | None, status: WorkloadStatus, now: datetime,
     """An apply was sent recently enough that the agent's list may not show it yet (I13)."""
     verdict = reapply_guard(ReapplyState.read(status.metadata),
                             revision_id=spec.revision_id if spec else "",
-                            workload_type=spec.type if spec else "", now=now, policy=policy)
+                            workload_type=spec.type if spec else "", now=now, policy=policy,
+                            dispatched_at=dispatched_at(status))
     return verdict.active
 
 

@@ -162,12 +162,16 @@ class GuardVerdict:
 
 
 def reapply_guard(state: ReapplyState, *, revision_id: str, workload_type: str, now: datetime,
-                  policy: RetryPolicy) -> GuardVerdict:
+                  policy: RetryPolicy, dispatched_at: datetime | None = None) -> GuardVerdict:
     """Is a re-apply of ``revision_id`` held back at ``now``?
 
     Not when the last apply was of another revision (a new revision goes out at once). Otherwise
     active while ``now < reapplyNextAt`` or, without that key, for one base guard after the last
     apply request (or launch): an apply still settling is not re-sent (bug I13).
+
+    ``dispatched_at`` is the fallback anchor when no apply was recorded at all: the time the
+    placement (or update) was committed, right after which the dispatcher sent the apply; its
+    outcome record can be lost (see ``Dispatcher._record_apply``), the apply itself was not.
     """
     if state.last_revision and revision_id and state.last_revision != revision_id:
         return GuardVerdict(False, reason="revision changed since the last apply")
@@ -176,7 +180,7 @@ def reapply_guard(state: ReapplyState, *, revision_id: str, workload_type: str, 
             return GuardVerdict(True, state.next_at,
                                 f"re-apply backoff until {rfc3339(state.next_at)}")
         return GuardVerdict(False, reason="re-apply backoff elapsed")
-    anchor = state.last_request_at or state.last_launch_at
+    anchor = state.last_request_at or state.last_launch_at or dispatched_at
     if anchor is None:
         return GuardVerdict(False, reason="never applied")
     until = anchor + timedelta(seconds=base_guard_s(workload_type, policy))

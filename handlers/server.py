@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Coroutine
 from typing import Any
 
@@ -24,6 +25,7 @@ from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.stream import RedisEventLog, StreamTailer, writer_client
 from handlers.agents import AgentPool, TlsFiles
+from handlers.buckets import build_buckets
 from handlers.config import Settings
 from handlers.disks import DiskCommands
 from handlers.dispatch import Dispatcher
@@ -141,7 +143,8 @@ class Scheduler:
                                         events=self.events, mode=self.mode,
                                         metrics=self.metrics,
                                         disks=DiskCommands(self.etcd, self.committer,
-                                                           self.layout, self.clock))
+                                                           self.layout, self.clock),
+                                        buckets=build_buckets(os.environ))
         self.http = HttpEndpoint(self.metrics.registry, self.health)
         self.tasks = TaskOwner()
         self.grpc_server: grpc.aio.Server | None = None
@@ -262,6 +265,7 @@ class Scheduler:
             await self.health_servicer.enter_graceful_shutdown()
             await self.grpc_server.stop(grace=2.0)
             self.grpc_server = None
+        await self.leader.step_down()
         await self.tasks.stop("leader", "relay", "dns")
         if self.dns is not None:
             await self.dns.deregister()
@@ -274,6 +278,8 @@ class Scheduler:
         await self.agents.close()
         if self.redis is not None:
             await self.redis.aclose()
+        if self.servicer.buckets is not None:
+            await self.servicer.buckets.aclose()
         await self.http.stop()
         self.etcd.close()
 

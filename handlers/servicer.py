@@ -18,6 +18,13 @@ import grpc
 
 from eventsource.errors import Conflict, StoreError
 from eventsource.metrics import Metrics
+from handlers.buckets import (
+    BucketCommands,
+    BucketError,
+    access_message,
+    bucket_view,
+    object_message,
+)
 from handlers.config import Settings
 from handlers.convert import disk_view, node_view, workload_view
 from handlers.disks import DiskCommands, DiskError, DiskRequest
@@ -59,8 +66,10 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         mode: ModeState,
         metrics: Metrics,
         disks: DiskCommands | None = None,
+        buckets: BucketCommands | None = None,
     ) -> None:
         self.disks = disks
+        self.buckets = buckets
         self.settings = settings
         self.cluster = cluster
         self.nodes = nodes
@@ -501,21 +510,84 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
                                                                        mutating=True)
         return result
 
-    async def CreateBucket(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the Ceph RGW bucket API (CreateBucket)")
+    # -- buckets (Ceph RGW + Vault; handlers/buckets.py) -------------------------------------
+    async def _bucket_call(self, context: grpc.aio.ServicerContext, body: Any) -> Any:
+        if self.buckets is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "buckets need PERSYS_RGW_ENDPOINT, PERSYS_RGW_ACCESS_KEY and "
+                "PERSYS_RGW_SECRET_KEY (and PERSYS_VAULT_ADDR for the bucket credentials)")
+        try:
+            return await body()
+        except BucketError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
-    async def ListBuckets(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the Ceph RGW bucket API (ListBuckets)")
+    async def CreateBucket(self, request: control_pb2.CreateBucketRequest,
+                           context: grpc.aio.ServicerContext) -> control_pb2.CreateBucketResponse:
+        async def body() -> control_pb2.CreateBucketResponse:
+            assert self.buckets is not None
+            info, access = await self.buckets.create(request.name, request.region,
+                                                     request.versioning)
+            return control_pb2.CreateBucketResponse(bucket=bucket_view(info),
+                                                    access=access_message(access))
 
-    async def GetBucket(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the Ceph RGW bucket API (GetBucket)")
+        result: control_pb2.CreateBucketResponse = await self._bucket_call(context, body)
+        return result
 
-    async def DeleteBucket(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the Ceph RGW bucket API (DeleteBucket)")
+    async def ListBuckets(self, request: control_pb2.ListBucketsRequest,
+                          context: grpc.aio.ServicerContext) -> control_pb2.ListBucketsResponse:
+        async def body() -> control_pb2.ListBucketsResponse:
+            assert self.buckets is not None
+            return control_pb2.ListBucketsResponse(
+                buckets=[bucket_view(i) for i in await self.buckets.list()])
 
-    async def GetBucketAccess(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the Ceph RGW bucket API (GetBucketAccess)")
+        result: control_pb2.ListBucketsResponse = await self._bucket_call(context, body)
+        return result
 
-    async def ListBucketObjects(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._unimplemented(context, "the Ceph RGW bucket API (ListBucketObjects)")
+    async def GetBucket(self, request: control_pb2.GetBucketRequest,
+                        context: grpc.aio.ServicerContext) -> control_pb2.GetBucketResponse:
+        async def body() -> control_pb2.GetBucketResponse:
+            assert self.buckets is not None
+            return control_pb2.GetBucketResponse(
+                bucket=bucket_view(await self.buckets.get(request.bucket_id)))
+
+        result: control_pb2.GetBucketResponse = await self._bucket_call(context, body)
+        return result
+
+    async def DeleteBucket(self, request: control_pb2.DeleteBucketRequest,
+                           context: grpc.aio.ServicerContext) -> control_pb2.DeleteBucketResponse:
+        async def body() -> control_pb2.DeleteBucketResponse:
+            assert self.buckets is not None
+            await self.buckets.delete(request.bucket_id, force=request.force)
+            return control_pb2.DeleteBucketResponse(success=True)
+
+        result: control_pb2.DeleteBucketResponse = await self._bucket_call(context, body)
+        return result
+
+    async def GetBucketAccess(self, request: control_pb2.GetBucketAccessRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> control_pb2.GetBucketAccessResponse:
+        async def body() -> control_pb2.GetBucketAccessResponse:
+            assert self.buckets is not None
+            access = await self.buckets.access(request.bucket_id)
+            return control_pb2.GetBucketAccessResponse(access=access_message(access))
+
+        result: control_pb2.GetBucketAccessResponse = await self._bucket_call(context, body)
+        return result
+
+    async def ListBucketObjects(self, request: control_pb2.ListBucketObjectsRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> control_pb2.ListBucketObjectsResponse:
+        async def body() -> control_pb2.ListBucketObjectsResponse:
+            assert self.buckets is not None
+            page = await self.buckets.list_objects(
+                request.bucket_id, prefix=request.prefix,
+                continuation_token=request.continuation_token, max_keys=request.max_keys)
+            return control_pb2.ListBucketObjectsResponse(
+                objects=[object_message(o) for o in page.objects],
+                next_continuation_token=page.next_continuation_token,
+                is_truncated=page.is_truncated, prefix=page.prefix)
+
+        result: control_pb2.ListBucketObjectsResponse = await self._bucket_call(context, body)
+        return result
 

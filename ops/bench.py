@@ -36,6 +36,7 @@ from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.scenario import BenchContext, Outcome, Scenario
 from ops.benchlib.stack import Stack, StackError, StackOptions
 from ops.benchlib.workloads import run_prefix
+from ops.devstack import ServerStartError
 
 __all__ = ["add_bench_arguments", "cmd_bench"]
 
@@ -243,7 +244,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("persys-scheduler bench: terminated; everything it started is stopped",
               file=sys.stderr)
         return 143
-    except StackError as exc:
+    except (StackError, ServerStartError) as exc:
         print(f"persys-scheduler bench: the system under test failed: {exc}", file=sys.stderr)
         return 1
     result = {

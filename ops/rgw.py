@@ -309,7 +309,7 @@ rgw init timeout = 120
     def _rgw_answers(self) -> bool:
         try:
             with urllib.request.urlopen(self.endpoint + "/", timeout=2) as resp:
-                return resp.status == 200
+                return bool(resp.status == 200)
         except (urllib.error.URLError, OSError):
             return False
 
@@ -372,9 +372,9 @@ rgw init timeout = 120
 
     def _signed(self, method: str, path: str, body: bytes) -> int:
         """One SigV4-signed S3 request with the admin keys (botocore's S3 signer)."""
-        from botocore.auth import S3SigV4Auth
-        from botocore.awsrequest import AWSRequest
-        from botocore.credentials import Credentials
+        from botocore.auth import S3SigV4Auth  # type: ignore[import-untyped]
+        from botocore.awsrequest import AWSRequest  # type: ignore[import-untyped]
+        from botocore.credentials import Credentials  # type: ignore[import-untyped]
 
         request = AWSRequest(method=method, url=self.endpoint + path, data=body)
         S3SigV4Auth(Credentials(self.access_key, self.secret_key), "s3", "default").add_auth(

@@ -102,6 +102,7 @@ logger = logging.getLogger(__name__)
 
 NODE_ID_METADATA = "x-persys-node-id"
 LEADER_TERM_METADATA = "x-persys-leader-term"
+INSTANCE_ID_METADATA = "x-persys-instance-id"
 
 #: Used when RegisterNode answers heartbeat_interval_seconds=0 (as the Go agent does).
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
@@ -378,6 +379,8 @@ class SimNode(agent_pb2_grpc.AgentServiceServicer):
         #: Bumped on crash: pending apply completions of an older epoch are void.
         self._epoch = 0
         self._max_term = 0
+        #: calls by (method, x-persys-instance-id of the caller): who drives this node
+        self.callers: Counter[tuple[str, str]] = Counter()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -551,7 +554,9 @@ class SimNode(agent_pb2_grpc.AgentServiceServicer):
         self._counters.rpcs[method] += 1
         term: int | None = None
         for key, value in context.invocation_metadata() or ():
-            if key == NODE_ID_METADATA:
+            if key == INSTANCE_ID_METADATA:
+                self.callers[(method, value)] += 1
+            elif key == NODE_ID_METADATA:
                 if value != self.node_id:
                     self._counters.wrong_node_refused += 1
                     await _abort(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +91,50 @@ def test_churn_contract():
     check_contract(result, "churn")
     assert result["figures"]["killed"] == 2  # 10% of 20
     assert elapsed < 60
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_run_stops_everything_it_started(signum):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "bench", "reconcile", *FAST, "--workloads", "2000"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # blocks until the bench reports that it is applying
+            if "applying" in line:
+                break
+        children = _children(proc.pid)
+        assert len(children) >= 4  # etcd, redis, scheduler, simulator
+        proc.send_signal(signum)
+        rest = proc.communicate(timeout=60)[1]
+        assert proc.returncode in (130, 143), rest
+        assert "everything it started is stopped" in rest
+        assert [pid for pid in children if _alive(pid)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_misuse_is_refused_without_starting_anything(capsys):

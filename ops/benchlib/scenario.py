@@ -16,6 +16,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from ops.benchlib.clients import ApiClients, ApplyReport
 from ops.benchlib.stack import Stack
 from ops.benchlib.workloads import apply_requests
@@ -94,10 +96,14 @@ class BenchContext:
             stats = await self.stack.fleet_stats()
             sim_running = int(stats.get("workloads_by_state", {}).get("Running", 0))
             if sim_running >= expected:
-                summaries = [await self.api.summary(i) for i in range(len(self.api.stubs))]
-                sched_running = min(s.running_workloads for s in summaries)
-                if sched_running >= expected:
-                    return ""
+                try:
+                    summaries = [await self.api.summary(i) for i in range(len(self.api.stubs))]
+                except grpc.aio.AioRpcError as exc:  # a busy scheduler: ask again
+                    self.log(f"GetClusterSummary failed ({exc.code().name}); retrying")
+                else:
+                    sched_running = min(s.running_workloads for s in summaries)
+                    if sched_running >= expected:
+                        return ""
             if loop.time() > deadline:
                 return (f"after {timeout:.0f}s the fleet ran {sim_running} and the scheduler "
                         f"counted {sched_running} Running of {expected}")

@@ -11,6 +11,9 @@ What the bench starts (private etcd and Redis from ``ops.devstack``, ``--replica
 processes, the fleet) it stops in reverse order in ``stop()``, which is safe to call after any
 partial ``start()``; the caller calls it in a ``finally``. Children run in their own sessions,
 so a Ctrl-C at the terminal reaches the bench only.
+
+Against an existing scheduler (``--scheduler``) only the fleet is started; its agents listen on
+127.0.0.1, so that scheduler must run on this machine.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from ops.benchlib.httpget import HttpError, get_json, http_get
 from ops.benchlib.procs import Child
@@ -241,14 +246,22 @@ class Stack:
                                  f"{self.options.startup_timeout_s:g}s")
             await asyncio.sleep(0.2)
         api = ApiClients(self.grpc_addrs)
+        ready: list[int] = []
         try:
             while True:
-                ready = [(await api.summary(i)).ready_nodes for i in range(len(self.grpc_addrs))]
-                if min(ready) >= want:
+                try:
+                    ready = [(await api.summary(i, timeout=10.0)).ready_nodes
+                             for i in range(len(self.grpc_addrs))]
+                except grpc.aio.AioRpcError as exc:
+                    ready = [-1]
+                    last_error = f"{exc.code().name}: {exc.details()}"
+                else:
+                    last_error = ""
+                if ready and min(ready) >= want:
                     return
                 if loop.time() > deadline:
                     raise StackError(f"the schedulers see {ready} Ready nodes of {want} after "
-                                     f"{self.options.startup_timeout_s:g}s")
+                                     f"{self.options.startup_timeout_s:g}s {last_error}")
                 await asyncio.sleep(0.2)
         finally:
             await api.close()
