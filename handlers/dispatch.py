@@ -16,7 +16,7 @@ from typing import Any
 from eventsource.clock import Clock
 from eventsource.commit import Committer, retry_on_conflict
 from eventsource.errors import Conflict, NotLeader, StoreError
-from eventsource.events import Event, rfc3339
+from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, WorkloadStatus
 from handlers.agents import AgentError, AgentPool
@@ -25,8 +25,6 @@ from handlers.state import NotFound, StateWriter
 from projections.cluster import ClusterProjection
 
 log = logging.getLogger("persys.dispatch")
-
-AGENT_STATE = {1: "Pending", 2: "Running", 3: "Stopped", 4: "Failed", 5: "Unknown"}
 
 
 class Dispatcher:
@@ -87,31 +85,17 @@ class Dispatcher:
                 return
             if not response.applied and not response.skipped:
                 await self._record_apply(spec, node_id, error=response.message or "not applied")
-                return
-            await self._record_apply(spec, node_id, response_state=response.status.actual_state,
-                                     response_meta=dict(response.status.metadata))
+            # success costs no write: the committing transaction already recorded the apply
+            # request (lastApplyRequestAt), and the agent's heartbeat reports the outcome
 
-    async def _record_apply(self, spec: WorkloadSpec, node_id: str, *, error: str = "",
-                            response_state: int = 0,
-                            response_meta: dict[str, str] | None = None) -> None:
-        now = rfc3339(self.clock.now())
+    async def _record_apply(self, spec: WorkloadSpec, node_id: str, *, error: str) -> None:
+        """Record a failed apply on the status, for the reconcile loop's retry budget."""
 
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if status.node_id != node_id:
                 return None
-            if error:
-                status.metadata["scheduler_last_error"] = error
-                status.metadata["last_action"] = "ApplyFailed"
-                return []
-            status.metadata.update(response_meta or {})
-            status.metadata["lastApplyRequestAt"] = now
-            status.metadata["lastApplyRevision"] = spec.revision_id
-            status.metadata["last_action"] = "ApplyAcceptedAsync"
-            state = AGENT_STATE.get(response_state, "")
-            if state and status.status in ("Scheduled", "Updating", "Pending", ""):
-                status.status = state
-                status.status_info.actual_state = state
-                status.status_info.last_updated = now
+            status.metadata["scheduler_last_error"] = error
+            status.metadata["last_action"] = "ApplyFailed"
             return []
 
         try:

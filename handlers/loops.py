@@ -330,14 +330,16 @@ class ReconcileLoop(_Shell):
         targets = [v for v in views.values() if v.available and self.leader.owns(v.node_id)]
         observations = await self._prefetch(targets, report)
         report.nodes_listed = len(targets)
-        for node_id, obs in observations.items():
-            if obs.unreachable:
-                report.unreachable.append(node_id)
-                await self.mark_not_ready(node_id, reason=f"agent unreachable: {obs.error}",
-                                          source="reconciler", now=now)
-                old = views[node_id]
-                views[node_id] = NodeView(node_id, old.exists, NOT_READY, old.alive,
-                                          old.endpoint)
+        report.unreachable = sorted(n for n, o in observations.items() if o.unreachable)
+
+        async def lost(node_id: str) -> None:
+            # E1: an unreachable agent marks its node NotReady; its workloads fail over below
+            await self.mark_not_ready(node_id, now=now, source="reconciler",
+                                      reason=f"agent unreachable: {observations[node_id].error}")
+            old = views[node_id]
+            views[node_id] = NodeView(node_id, old.exists, NOT_READY, old.alive, old.endpoint)
+
+        await run_bounded(report.unreachable, self.concurrency, lost)
         specs = ItemValues(self.cluster.specs.items)
         statuses = ItemValues(self.cluster.statuses.items)
         findings: list[DriftFinding] = []

@@ -54,6 +54,8 @@ MISSING = "Missing"
 SERVING_NODE_STATUSES = frozenset({"ready", "active", "draining"})
 #: node statuses the liveness monitor turns into NotReady
 MONITORED_NODE_STATUSES = frozenset({"ready", "active"})
+#: statuses a cycle leaves alone (E4: "skip workloads with status Completed or Deleted")
+FINISHED_STATUSES = frozenset({"completed", "deleted"})
 TERMINAL_FAILURE_REASONS = frozenset({"INVALID_IMAGE", "INVALID_SPECIFICATION",
                                       "INVALID_CONFIGURATION", "PORT_BIND_CONFLICT"})
 TRUTHY = frozenset({"true", "1", "yes"})
@@ -321,14 +323,15 @@ def plan_cycle(
     """Plan every workload this shard owns: those on its nodes, and its share of unassigned ones.
 
     Workloads without a status record are skipped (a create writes both in one transaction, so
-    that is a half-visible projection, not a state to repair).
+    that is a half-visible projection, not a state to repair), and so are Completed and Deleted
+    ones (E4 step 2).
     """
     actions: list[Action] = []
     for workload_id, spec in specs.items():
         if workload_id in exclude:
             continue
         status = statuses.get(workload_id)
-        if status is None:
+        if status is None or status.status.lower() in FINISHED_STATUSES:
             continue
         node = node_of(status)
         if node:

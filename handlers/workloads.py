@@ -43,6 +43,16 @@ from projections.cluster import ClusterProjection
 
 log = logging.getLogger("persys.workloads")
 
+def mark_apply_requested(status: WorkloadStatus, spec: WorkloadSpec, now: str) -> None:
+    """Record, in the transaction that commits a placement or change, the apply that follows.
+
+    The re-apply guard of the reconcile loop measures from this time, and the dispatcher's
+    successful apply then costs no extra write.
+    """
+    status.metadata["lastApplyRequestAt"] = now
+    status.metadata["lastApplyRevision"] = spec.revision_id
+
+
 REAPPLY_KEYS = ("lastApplyRequestAt", "lastApplyRevision", "lastLaunchTime", "reapplyAttempts",
                 "reapplyNextAt")
 TERMINAL_KEYS = ("retry_terminal", "retry_terminal_reason", "terminal_failure_reason",
@@ -192,6 +202,7 @@ class WorkloadCommands:
         placed = self._place(spec, status)
         if isinstance(placed, Outcome):
             return placed
+        mark_apply_requested(placed.status, spec, now)
         change = placed.change
         change.compares += [Compare.absent(self.layout.spec(spec.id)),
                             Compare.absent(self.layout.status(spec.id))]
@@ -287,6 +298,8 @@ class WorkloadCommands:
             compares += placed.change.compares
             puts += placed.change.puts
             status = placed.status
+        if status.node_id and spec.desired_state != "Deleted":
+            mark_apply_requested(status, spec, now)
         puts += [Put(self.layout.spec(spec.id), encode(spec), category="spec"),
                  Put(self.layout.status(spec.id), encode(status), category="status")]
         try:
@@ -371,6 +384,11 @@ class WorkloadCommands:
                 status.retry.max_attempts = 5
             for key in REAPPLY_KEYS + TERMINAL_KEYS:
                 status.metadata.pop(key, None)
+            spec_now = self.cluster.specs.get(workload_id)
+            if spec_now is not None and status.node_id and (
+                spec_now.value.desired_state != "Deleted"
+            ):
+                mark_apply_requested(status, spec_now.value, now)
             status.metadata["last_action"] = "RetryTriggered"
             if status.status in ("Failed", "RetryPending"):
                 status.status = "Pending"
@@ -486,6 +504,9 @@ class Relocator:
                 "Relocated" if event_type == "Relocated" else "Rescheduled")
             new_status.status = "Scheduled"
             new_status.retry.attempts = 0
+            for key in REAPPLY_KEYS:
+                new_status.metadata.pop(key, None)
+            mark_apply_requested(new_status, spec, rfc3339(c.clock.now()))
             change = placed.change
             change.compares.append(Compare.mod(c.layout.status(workload_id),
                                                status_item.mod_revision))

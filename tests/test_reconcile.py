@@ -84,6 +84,13 @@ class Stack:
     def holder(self, wid: str) -> Any:
         return self.fleet.node(self.status(wid).node_id)
 
+    def agent_state(self, wid: str) -> str | None:
+        """The state the assigned node's agent reports (None until both are known)."""
+        item = self.sched.cluster.statuses.get(wid)
+        if item is None or not item.value.node_id:
+            return None
+        return self.fleet.node(item.value.node_id).workload_state(wid)
+
     async def caught_up(self) -> None:
         """Wait until this replica's projections reflect everything committed so far."""
         revision = await self.sched.etcd.current_revision()
@@ -295,6 +302,47 @@ async def test_stopped_workload_gets_stop_applied(etcd_server, redis_server, key
         await wait_for(lambda: s.holder("svc").workload_state("svc") == "Stopped", timeout=10)
 
 
+# -- the Deleting finisher ----------------------------------------------------------------------
+
+async def test_deleting_workload_is_deleted_on_its_agent_and_finalised(
+        etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 2) as s:
+        await s.apply(["gone-soon", "unplaced"])
+        await s.running(["gone-soon", "unplaced"])
+        holder = s.holder("gone-soon")
+        # a delete whose agent call never happened (the replica died after the commit)
+        for wid, keep_node in (("gone-soon", True), ("unplaced", False)):
+            spec_item = s.sched.cluster.specs.get(wid)
+            status_item = s.sched.cluster.statuses.get(wid)
+            assert spec_item is not None
+            assert status_item is not None
+            spec = copy.deepcopy(spec_item.value)
+            st = copy.deepcopy(status_item.value)
+            spec.desired_state = "Deleted"
+            st.status = "Deleting"
+            if not keep_node:
+                s.holder(wid).kill_workloads([wid])
+                st.node_id = st.assigned_node = ""
+            await s.sched.committer.commit(Change(kind="test", compares=[
+                Compare.mod(s.sched.layout.spec(wid), spec_item.mod_revision),
+                Compare.mod(s.sched.layout.status(wid), status_item.mod_revision)], puts=[
+                Put(s.sched.layout.spec(wid), encode(spec), category="spec"),
+                Put(s.sched.layout.status(wid), encode(st), category="status")]))
+        await s.caught_up()
+        report = await s.loops.reconcile.run_once()
+        assert report.actions == {"Delete": 1, "FinalizeDelete": 1}
+        assert report.rpcs["DeleteWorkload"] == 1
+        assert holder.workload_state("gone-soon") is None
+        await s.caught_up()
+        for wid in ("gone-soon", "unplaced"):
+            assert s.sched.cluster.specs.get(wid) is None
+            assert s.sched.cluster.statuses.get(wid) is None
+        allocation = s.sched.cluster.allocations.get(holder.node_id)
+        assert allocation is not None
+        assert "gone-soon" not in allocation.value.workloads
+
+
 # -- retry budget --------------------------------------------------------------------------------
 
 #: (seconds after the first observed failure, the action of that cycle, attempts after it)
@@ -374,8 +422,7 @@ async def test_each_drift_type_is_detected_and_remediated(etcd_server, redis_ser
     async with stack(settings, 2, heartbeat_interval_s=900) as s:
         ids = ["killed", "relabelled", "old-rev", "moved"]
         await s.apply(ids)
-        await wait_for(lambda: all(s.holder(w).workload_state(w) == "Running" for w in ids),
-                       timeout=15)
+        await wait_for(lambda: all(s.agent_state(w) == "Running" for w in ids), timeout=15)
         await s.caught_up()
         a_node = s.holder("moved")
         other = next(n for n in s.fleet.nodes if n is not a_node)
