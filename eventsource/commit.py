@@ -97,7 +97,8 @@ class Committer:
         ops.extend(change.deletes)
         if not ops:
             return Committed(revision=0)
-        if len(ops) + len(compares) > MAX_TXN_OPS:
+        if len(ops) > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
+            # etcd's --max-txn-ops bounds each list of a transaction separately
             raise ValueError(f"transaction too large: {len(ops)} ops, {len(compares)} compares")
         result = await self.etcd.txn(compares, ops)
         if not result.succeeded:

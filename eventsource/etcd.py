@@ -213,6 +213,8 @@ class AsyncEtcd:
         if client is None:
             protocol, host, port = parse_endpoint(self.endpoints[index])
             session = requests.Session()
+            # no proxy or netrc lookups per request: etcd is addressed directly
+            session.trust_env = False
             adapter = HTTPAdapter(pool_connections=2, pool_maxsize=2)
             session.mount("http://", adapter)
             session.mount("https://", adapter)

@@ -84,6 +84,7 @@ class WatchStream:
         self._stop = threading.Event()
         self._response: requests.Response | None = None
         self._session = requests.Session()
+        self._session.trust_env = False
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-watch:{prefix}", daemon=True
         )

@@ -10,17 +10,22 @@ How (and where it differs from the Go version, persys-facts I.18):
   ``requests`` signed by botocore's ``S3SigV4Auth`` (plain ``SigV4Auth`` omits
   ``X-Amz-Content-SHA256`` and RGW refuses it) over a canonical query: sorted, RFC 3986
   encoded (space as ``%20``), bare keys as ``k=``. No hand-rolled signer.
-* CreateBucket: validate -> HEAD -> create the RGW user ``persys-bkt-<bucket>`` with keys that
-  RGW generates (so the secret is never in a URL or an RGW access log) and ``max-buckets=-1``
-  (it cannot create buckets) -> create the bucket (owned by the control-plane user) ->
+* CreateBucket: validate -> HEAD -> claim the name in Vault -> create the RGW user
+  ``persys-bkt-<bucket>`` with keys that RGW generates (so the secret is never in a URL or an
+  RGW access log), ``max-buckets=-1`` (it cannot create buckets) and ``exclusive=true`` ->
+  create the bucket (owned by the control-plane user) ->
   versioning if asked (errors surface) -> a bucket policy that grants the user's ARN
   ``s3:*`` on the bucket and its objects -> prove with the new keys that ListObjects works ->
   write ``{endpoint, region, bucket, access_key, secret_key, s3_url}`` to Vault KV v2 at
   ``<prefix>/<bucket>``. Any failure rolls back what was made (bucket, user, secret) and the
   error is answered, never swallowed; a Vault write failure answers UNAVAILABLE.
-  The RGW user is created first because it is the only atomic claim on a name RGW offers (a
-  second PUT of the control-plane user's own bucket succeeds): a concurrent create of the same
-  name, from this replica or another, gets ALREADY_EXISTS.
+  Before any of that, the name is claimed in Vault: a placeholder ``{"state": "creating"}``
+  written with check-and-set ``cas=0``, which Vault applies atomically; the final write uses
+  ``cas=<claim version>``. RGW offers no atomic claim: a second PUT of the control-plane
+  user's own bucket succeeds, and two concurrent user creates can both succeed even with
+  ``exclusive=true`` (measured here: the first writer's keys end up refused). So a concurrent
+  create of the same name, from this replica or another, gets ALREADY_EXISTS, as does a name
+  with a leftover secret or user of a crashed attempt (DeleteBucket removes those).
 * GetBucket / ListBuckets fill ``owner``, ``object_count``, ``size_bytes`` and the creation and
   modification times from Admin Ops bucket stats, and ``versioning`` from GetBucketVersioning.
 * DeleteBucket refuses a non-empty bucket (FAILED_PRECONDITION) unless ``force``, which makes
@@ -428,30 +433,36 @@ class _Rgw:
                           next_continuation_token=str(resp.get("NextContinuationToken") or ""),
                           is_truncated=bool(resp.get("IsTruncated")), prefix=prefix)
 
-    def verify_user(self, name: str, access_key: str, secret_key: str) -> None:
-        """Prove that the new keys can list ``name`` (RGW may cache users for a moment)."""
+    def verify_user(self, name: str, access_key: str, secret_key: str) -> str:
+        """Prove that the new keys can list ``name`` (RGW may cache users for a moment).
+
+        Returns ``""`` on success, else what RGW answered the last time (status and code)."""
         creds = Credentials(access_key, secret_key)
-        last: RgwError | None = None
+        answer = ""
         for attempt in range(_VERIFY_ATTEMPTS):
             resp = self.signed("GET", f"/{name}", {"list-type": "2", "max-keys": "1"},
                                creds=creds)
             if resp.status_code == 200:
-                return
-            last = RgwError(resp.status_code, "AccessCheckFailed",
-                            f"the new keys cannot list the bucket ({resp.status_code})")
+                return ""
+            code = re.search(rb"<Code>([^<]{1,64})</Code>", resp.content or b"")
+            answer = f"{resp.status_code} {code.group(1).decode() if code else ''}".strip()
+            log.info("the new keys of bucket %s were refused (%s), attempt %d", name, answer,
+                     attempt + 1)
             if resp.status_code not in (401, 403):
                 break
             time.sleep(0.1 * (attempt + 1))
-        assert last is not None
-        raise last
+        return answer
 
     # -- Admin Ops -----------------------------------------------------------------------------
 
     def create_user(self, uid: str, display: str) -> tuple[str, str]:
-        """Create ``uid`` with RGW-generated S3 keys; returns ``(access_key, secret_key)``."""
+        """Create ``uid`` with RGW-generated S3 keys; returns ``(access_key, secret_key)``.
+
+        ``exclusive=true`` matters: without it RGW turns a create of an existing user with the
+        same display name into a modify that adds a key, so two creators would both "win"."""
         body = self.admin("PUT", "user", {
             "uid": uid, "display-name": display, "key-type": "s3", "generate-key": "true",
-            "max-buckets": "-1"})
+            "max-buckets": "-1", "exclusive": "true"})
         keys = [k for k in (body or {}).get("keys", []) if k.get("user") == uid]
         if not keys:
             raise RgwError(500, "NoKeys", "RGW created the user without S3 keys")
@@ -643,40 +654,56 @@ class BucketCommands:
         vault = self._require_vault("CreateBucket")
         uid = user_for(bucket)
         vault_path = self.config.vault_path(bucket)
+        leftover_hint = f"DeleteBucket {bucket!r} removes what an earlier attempt left"
         async with self._name_lock(bucket):
             if await self._call("HEAD bucket", self._rgw.head_bucket, bucket):
                 raise BucketError("ALREADY_EXISTS", f"bucket {bucket!r} already exists")
+            # the claim: exactly one creator of this name, across replicas (see module doc)
             try:
-                access_key, secret_key = await self._call(
-                    "create user", self._rgw.create_user, uid, f"Persys bucket {bucket}")
-            except BucketError as exc:
-                if exc.rgw_code == "UserAlreadyExists":
+                claim = await vault.write(self.config.kv_mount, self._kv_path(bucket),
+                                          {"state": "creating"}, cas=0)
+            except VaultError as exc:
+                if exc.kind == "conflict":
                     raise BucketError(
-                        "ALREADY_EXISTS",
-                        f"bucket {bucket!r} is being created elsewhere, or an earlier attempt "
-                        f"left the RGW user {uid!r}: DeleteBucket {bucket!r} removes it",
-                        rgw_code=exc.rgw_code) from None
-                raise
-            made = {"user": True, "bucket": False, "secret": False}
-            access = AccessInfo(
-                endpoint=self.config.endpoint, region=self.config.region, bucket=bucket,
-                access_key=access_key, secret_key=secret_key, vault_path=vault_path,
-                s3_url=f"s3://{bucket}")
+                        "ALREADY_EXISTS", f"bucket {bucket!r} is being created elsewhere, or "
+                                          f"has credentials in Vault already: {leftover_hint}"
+                    ) from None
+                raise BucketError("UNAVAILABLE", f"claiming the name in Vault: {exc}") from None
+            made = {"secret": True, "user": False, "bucket": False}
             try:
+                try:
+                    access_key, secret_key = await self._call(
+                        "create user", self._rgw.create_user, uid, f"Persys bucket {bucket}")
+                except BucketError as exc:
+                    if exc.rgw_code == "UserAlreadyExists":
+                        raise BucketError("ALREADY_EXISTS",
+                                          f"the RGW user {uid!r} exists: {leftover_hint}",
+                                          rgw_code=exc.rgw_code) from None
+                    raise
+                made["user"] = True
+                access = AccessInfo(
+                    endpoint=self.config.endpoint, region=self.config.region, bucket=bucket,
+                    access_key=access_key, secret_key=secret_key, vault_path=vault_path,
+                    s3_url=f"s3://{bucket}")
                 await self._call("create bucket", self._rgw.create_bucket, bucket)
                 made["bucket"] = True
                 if versioning:
                     await self._call("enable versioning", self._rgw.put_versioning, bucket,
                                      True)
                 await self._call("put bucket policy", self._rgw.put_policy, bucket, uid)
-                await self._call("check the new keys", self._rgw.verify_user, bucket,
-                                 access_key, secret_key, calls=_VERIFY_ATTEMPTS)
-                made["secret"] = True
+                refused = await self._call("check the new keys", self._rgw.verify_user,
+                                           bucket, access_key, secret_key,
+                                           calls=_VERIFY_ATTEMPTS)
+                if refused:
+                    raise BucketError(
+                        "INTERNAL", f"the new keys of {uid!r} cannot list the bucket (RGW "
+                                    f"answered {refused}); does this RGW honour bucket "
+                                    "policies?")
                 try:
                     await vault.write(self.config.kv_mount, self._kv_path(bucket), {
                         "endpoint": access.endpoint, "region": access.region,
                         "bucket": bucket, "access_key": access_key, "secret_key": secret_key,
-                        "s3_url": access.s3_url})
+                        "s3_url": access.s3_url}, cas=claim)
                 except VaultError as exc:
                     raise BucketError("UNAVAILABLE", f"storing the bucket credentials: {exc}"
                                       ) from None
@@ -685,8 +712,7 @@ class BucketCommands:
                 problems = await asyncio.shield(self._keep(self._rollback(bucket, made)))
                 if isinstance(exc, BucketError):
                     note = "; rolled back" if not problems else (
-                        f"; rollback incomplete ({'; '.join(problems)}): DeleteBucket "
-                        f"{bucket!r} removes the leftovers")
+                        f"; rollback incomplete ({'; '.join(problems)}): {leftover_hint}")
                     raise BucketError(exc.code, f"{exc}{note}", rgw_code=exc.rgw_code
                                       ) from None
                 raise
@@ -704,13 +730,10 @@ class BucketCommands:
         return f"{self.config.kv_path}/{bucket}"
 
     async def _rollback(self, bucket: str, made: Mapping[str, bool]) -> list[str]:
-        """Undo a failed create: the secret, the bucket (only if this call made it), the user."""
+        """Undo a failed create: the bucket (only if this call made it), the user, and last the
+        Vault claim, which keeps other creators out until the rest is gone."""
         problems: list[str] = []
         steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
-        if made.get("secret") and self.vault is not None:
-            vault = self.vault
-            steps.append(("vault secret", lambda: vault.delete(self.config.kv_mount,
-                                                               self._kv_path(bucket))))
         if made.get("bucket"):
             steps.append(("bucket", lambda: self._call(
                 "delete bucket", self._rgw.purge_bucket, bucket,
@@ -718,16 +741,17 @@ class BucketCommands:
         if made.get("user"):
             steps.append(("user", lambda: self._call("delete user", self._rgw.delete_user,
                                                      user_for(bucket))))
+        if made.get("secret") and self.vault is not None:
+            vault = self.vault
+            steps.append(("vault secret", lambda: vault.delete(self.config.kv_mount,
+                                                               self._kv_path(bucket))))
         for what, step in steps:
             try:
                 await step()
             except (BucketError, VaultError) as exc:
                 log.warning("rollback of bucket %s: removing the %s failed: %s", bucket, what,
                             exc)
-                if what != "vault secret":
-                    problems.append(f"{what}: {exc}")
-                # a secret left behind (if the failed write reached Vault at all) holds keys
-                # of a user that is removed next: useless, and overwritten by the next create
+                problems.append(f"{what}: {exc}")
         log.warning("bucket %s creation rolled back%s", bucket,
                     f" with problems: {problems}" if problems else "")
         return problems
@@ -819,6 +843,8 @@ class BucketCommands:
         if secret is None:
             raise BucketError("NOT_FOUND", f"no credentials for bucket {bucket!r} in Vault at "
                                            f"{path} (it was not created through this API)")
+        if secret.get("state") == "creating":
+            raise BucketError("UNAVAILABLE", f"bucket {bucket!r} is being created; retry")
         if not secret.get("access_key") or not secret.get("secret_key"):
             raise BucketError("INTERNAL", f"the credentials at {path} are incomplete")
         return AccessInfo(

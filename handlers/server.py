@@ -26,6 +26,7 @@ from eventsource.metrics import Metrics
 from eventsource.stream import RedisEventLog, StreamTailer, writer_client
 from handlers.agents import AgentPool, TlsFiles
 from handlers.buckets import build_buckets
+from handlers.batcher import PlacementBatcher
 from handlers.config import Settings
 from handlers.disks import DiskCommands
 from handlers.dispatch import Dispatcher
@@ -114,9 +115,11 @@ class Scheduler:
                                      clock=self.clock, layout=self.layout,
                                      concurrency=settings.reconcile_concurrency,
                                      apply_timeout=settings.agent_apply_timeout_s)
+        self.batcher = PlacementBatcher(self.committer, self.cluster, self.layout)
         self.workloads = WorkloadCommands(cluster=self.cluster, committer=self.committer,
                                           writer=self.writer, placer=self.placer,
-                                          dispatcher=self.dispatcher, mode=self.mode,
+                                          dispatcher=self.dispatcher, batcher=self.batcher,
+                                          mode=self.mode,
                                           clock=self.clock, layout=self.layout)
         self.relocator = Relocator(self.workloads)
         self.redis = writer_client(self._redis_url()) if settings.redis_addr else None
@@ -271,6 +274,7 @@ class Scheduler:
             await self.dns.deregister()
         if self.relay is not None and hasattr(self.relay, "aclose"):
             await self.relay.aclose()
+        await self.batcher.aclose()
         await self.dispatcher.aclose()
         await self.tasks.stop()
         if self.tailer is not None:

@@ -42,14 +42,15 @@ __all__ = ["VaultError", "VaultKV", "refresh_after"]
 log = logging.getLogger("persys.vault")
 
 T = TypeVar("T")
-Kind = Literal["unavailable", "denied", "invalid", "internal"]
+Kind = Literal["unavailable", "denied", "invalid", "conflict", "internal"]
 
 _UNAVAILABLE = (hvac_exc.VaultDown, hvac_exc.InternalServerError, hvac_exc.BadGateway,
                 hvac_exc.RateLimitExceeded, hvac_exc.VaultNotInitialized)
 
 
 class VaultError(Exception):
-    """A Vault call failed. ``kind``: unavailable, denied, invalid or internal."""
+    """A Vault call failed. ``kind``: unavailable, denied, invalid, conflict (a check-and-set
+    write lost) or internal."""
 
     def __init__(self, kind: Kind, message: str) -> None:
         super().__init__(message)
@@ -78,7 +79,8 @@ def _translate(exc: Exception, what: str) -> VaultError:
     if isinstance(exc, hvac_exc.Forbidden | hvac_exc.Unauthorized):
         return VaultError("denied", f"vault {what}: permission denied ({_one_line(exc)})")
     if isinstance(exc, hvac_exc.InvalidRequest):
-        return VaultError("invalid", f"vault {what}: {_one_line(exc)}")
+        kind: Kind = "conflict" if "check-and-set" in str(exc) else "invalid"
+        return VaultError(kind, f"vault {what}: {_one_line(exc)}")
     return VaultError("internal", f"vault {what}: {type(exc).__name__}: {_one_line(exc)}")
 
 
@@ -99,15 +101,22 @@ class VaultKV:
 
     # -- async API -----------------------------------------------------------------------------
 
-    async def write(self, mount: str, path: str, data: Mapping[str, str]) -> None:
-        """Create or replace the secret at ``<mount>/data/<path>``."""
+    async def write(self, mount: str, path: str, data: Mapping[str, str], *,
+                    cas: int | None = None) -> int:
+        """Create or replace the secret at ``<mount>/data/<path>``; returns its new version.
+
+        With ``cas`` the write happens only if the current version is ``cas`` (0: only if
+        there is no secret yet); otherwise ``VaultError("conflict")``. That is atomic in Vault,
+        which makes it a claim on a name across replicas."""
         payload = dict(data)
 
-        def call(client: Any) -> None:
-            client.secrets.kv.v2.create_or_update_secret(path=path, secret=payload,
-                                                         mount_point=mount)
+        def call(client: Any) -> int:
+            resp = client.secrets.kv.v2.create_or_update_secret(
+                path=path, secret=payload, cas=cas, mount_point=mount)
+            return int(((resp or {}).get("data") or {}).get("version") or 0)
 
-        await self._run(call, "write")
+        version: int = await self._run(call, "write")
+        return version
 
     async def read(self, mount: str, path: str) -> dict[str, str] | None:
         """The secret's data, or ``None`` when there is none (or its latest version is

@@ -33,6 +33,7 @@ from eventsource.records import (
     WorkloadStatus,
     encode,
 )
+from handlers.batcher import Intent, PlacementBatcher
 from handlers.dispatch import Dispatcher
 from handlers.modes import ModeState
 from handlers.placement import PlacementRequest, canonical_driver
@@ -97,10 +98,12 @@ class WorkloadCommands:
         writer: StateWriter,
         placer: Placer,
         dispatcher: Dispatcher,
+        batcher: PlacementBatcher,
         mode: ModeState,
         clock: Clock,
         layout: KeyLayout,
     ) -> None:
+        self.batcher = batcher
         self.cluster = cluster
         self.committer = committer
         self.writer = writer
@@ -203,28 +206,31 @@ class WorkloadCommands:
         if isinstance(placed, Outcome):
             return placed
         mark_apply_requested(placed.status, spec, now)
-        change = placed.change
-        change.compares += [Compare.absent(self.layout.spec(spec.id)),
-                            Compare.absent(self.layout.status(spec.id))]
-        change.puts += [
-            Put(self.layout.spec(spec.id), encode(spec), category="spec"),
-            Put(self.layout.status(spec.id), encode(placed.status), category="status"),
-        ]
-        change.events.append(Event(
-            type="WorkloadScheduled", workload_id=spec.id, node_id=placed.node_id,
-            reason="Workload created", details={"revision_id": spec.revision_id},
-            timestamp=self.clock.now(),
-        ))
         cpu_m, mem_mb = request_of(spec)
+        intent = Intent(
+            workload_id=spec.id, node_id=placed.node_id, cpu_m=cpu_m, mem_mb=mem_mb,
+            compares=[Compare.absent(self.layout.spec(spec.id)),
+                      Compare.absent(self.layout.status(spec.id))],
+            puts=[Put(self.layout.spec(spec.id), encode(spec), category="spec"),
+                  Put(self.layout.status(spec.id), encode(placed.status), category="status"),
+                  *(p for p in placed.change.puts if p.category == "assignment")],
+            events=[Event(type="WorkloadScheduled", workload_id=spec.id,
+                          node_id=placed.node_id, reason="Workload created",
+                          details={"revision_id": spec.revision_id},
+                          timestamp=self.clock.now())],
+        )
         self.placer.reserve(spec.id, placed.node_id, cpu_m, mem_mb)
         try:
-            committed = await self.committer.commit(change)
+            revision = await self.batcher.submit(intent)
         except Conflict as exc:
             self.placer.release(spec.id)
             await self._catch_up(exc)
             raise
-        log.info("workload placed workload_id=%s node_id=%s revision=%d reason=%r",
-                 spec.id, placed.node_id, committed.revision, placed.reason)
+        except BaseException:
+            self.placer.release(spec.id)
+            raise
+        log.debug("workload placed workload_id=%s node_id=%s revision=%d reason=%r",
+                  spec.id, placed.node_id, revision, placed.reason)
         self.dispatcher.apply(spec, placed.status.metadata, placed.node_id, spec.desired_state)
         return Outcome(True, node_id=placed.node_id, message=placed.reason)
 

@@ -433,7 +433,7 @@ async def test_two_replicas_creating_one_name_get_one_bucket(rgw_server, openbao
         errors = [r for r in results if isinstance(r, BaseException)]
         assert len(errors) == 1, results
         assert isinstance(errors[0], BucketError)
-        assert errors[0].code == "ALREADY_EXISTS"
+        assert errors[0].code == "ALREADY_EXISTS", str(errors[0])
         winner = next(r for r in results if not isinstance(r, BaseException))
         stored = vault_read(openbao_server, vault_prefix, name)
         assert stored is not None

@@ -42,7 +42,11 @@ from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import container_spec, control_stub, make_settings, running_fleet
 from tests.fixtures.waiting import wait_for
 
-QUIET = {"reconcile_interval_s": 3600.0, "drift_detect_interval_s": 0.0}
+#: one automatic cycle (on gaining leadership), no automatic drift, and a leader lease long
+#: enough that a busy test process does not lose leadership (which would start an automatic
+#: cycle at once and interleave with the cycles the test drives)
+QUIET = {"reconcile_interval_s": 3600.0, "drift_detect_interval_s": 0.0,
+         "leader_lease_ttl_s": 10, "leader_renew_deadline_s": 7.0}
 
 
 def counter_total(counter: Any, **labels: str) -> float:
@@ -512,7 +516,7 @@ async def _at_least(fetch: Any, n: int) -> list[Any] | None:
 @pytest.mark.slow
 async def test_silent_node_goes_not_ready_and_its_workloads_move_with_two_replicas(
         etcd_server, redis_server, key_root, stream_key):
-    common = {"reconcile_interval_s": 3600.0, "drift_detect_interval_s": 0.0}
+    common = QUIET
     first = Scheduler(make_settings(etcd_server, redis_server, key_root, stream_key,
                                     instance_id="replica-a", **common))
     second = Scheduler(make_settings(etcd_server, redis_server, key_root, stream_key,

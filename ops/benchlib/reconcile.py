@@ -61,8 +61,10 @@ class _Replica:
 
     def feed(self, snap: MetricsSnapshot | None, wanted: int) -> bool:
         """Take a new scrape; return True when a cycle ended in it."""
+        if snap is None:  # a failed scrape: the next good one covers the gap
+            return False
         prev, self.last = self.last, snap
-        if prev is None or snap is None or self.end is not None:
+        if prev is None or self.end is not None:
             return False
         done = snap.total(CYCLES) - prev.total(CYCLES)
         if done <= 0:
