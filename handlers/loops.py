@@ -267,9 +267,6 @@ class ReconcileLoop(_Shell):
         #: the newest cycle's report (for the CLI, the benchmark and tests)
         self.last_report: CycleReport | None = None
 
-    def request_drift(self) -> None:
-        self._drift_due = True
-
     def time_bound_s(self) -> float:
         """The bound on one cycle: 0.8 x interval, or more when the fleet needs it.
 
@@ -382,9 +379,9 @@ class ReconcileLoop(_Shell):
     async def _execute(self, plan: CyclePlan, views: Mapping[str, NodeView],
                        report: CycleReport, now: datetime) -> dict[str, tuple[str, bool, str]]:
         results: dict[str, tuple[str, bool, str]] = {}
-        for action in plan.actions:
-            if not (action.rpc or action.writes):
-                self.metrics.reconciliation_results.labels(action.kind, "true").inc()
+        idle: Counter[str] = Counter(a.kind for a in plan.actions if not (a.rpc or a.writes))
+        for kind, count in idle.items():
+            self.metrics.reconciliation_results.labels(kind, "true").inc(count)
 
         async def one(action: Action) -> None:
             ok = await self._act(action, views, report, now)
@@ -458,8 +455,8 @@ class ReconcileLoop(_Shell):
             status = copy.deepcopy(status_item.value)
             placed = c._place(spec, status)
             if isinstance(placed, Outcome):
-                log.info("reconcile: no node fits workload_id=%s: %s", workload_id,
-                         placed.message)
+                log.debug("reconcile: no node fits workload_id=%s: %s", workload_id,
+                          placed.message)
                 return False
             change = placed.change
             change.kind = "reconcile"

@@ -40,6 +40,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -143,7 +144,7 @@ class RgwCluster:
         try:
             self._write_conf(str(uuid.uuid4()))
             self._start_mon()
-            self._wait(lambda: self._mon_answers(), deadline, "mon.a answering")
+            self._wait(self._mon_answers, deadline, "mon.a answering")
             self.timings["mon"] = time.monotonic() - started
             self._start_osd()
             self._wait(self._osd_up, deadline, "osd.0 up")
@@ -313,8 +314,7 @@ rgw init timeout = 120
         except (urllib.error.URLError, OSError):
             return False
 
-    def _wait(self, probe: object, deadline: float, what: str) -> None:
-        assert callable(probe)
+    def _wait(self, probe: Callable[[], bool], deadline: float, what: str) -> None:
         delay = 0.05
         while True:
             for name, proc in self._procs:

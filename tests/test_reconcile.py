@@ -174,6 +174,7 @@ def last_apply(st: Any) -> datetime:
 # -- cost: one RPC per owned node, no write -------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 async def test_steady_state_cycle_costs_one_rpc_per_node_and_no_write(
         etcd_server, redis_server, key_root, stream_key):
     settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
@@ -514,6 +515,7 @@ async def _at_least(fetch: Any, n: int) -> list[Any] | None:
 # -- liveness and failover with two replicas -----------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 async def test_silent_node_goes_not_ready_and_its_workloads_move_with_two_replicas(
         etcd_server, redis_server, key_root, stream_key):
     common = QUIET

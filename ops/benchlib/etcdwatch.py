@@ -5,23 +5,25 @@ count works against any persys-compatible scheduler; and the window is exact in 
 the revision at ``start()`` to the one at ``stop()``), not in wall-clock guesses.
 
 Keys are grouped by prefix: the first path segment (``/nodes/``, ``/workloads-status/`` ...), or
-the first three under ``/persys/scheduler/`` (``/persys/scheduler/alive/``). A scenario that
+the first three under ``/persys/scheduler/`` (``/persys/scheduler/alive/``); event records
+(outbox keys) are also counted by their ``type``, which says what a write was for. A scenario that
 must attribute writes to a writer (records carry the writer's instance id) passes ``on_event``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
-import logging
+import json
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 
 from eventsource.errors import StoreError
+from eventsource.keys import prefix_end
 from eventsource.watch import WatchEvent, WatchStream
 from ops.devstack import EtcdError, etcd_revision
-
-log = logging.getLogger("persys.bench.watch")
 
 
 def key_group(key: str, root: str = "") -> str:
@@ -34,6 +36,30 @@ def key_group(key: str, root: str = "") -> str:
     if len(parts) > 2:
         return f"/{parts[1]}/"
     return path
+
+
+def count_prefix(etcd_url: str, prefix: str, *, timeout: float = 10.0) -> int:
+    """How many keys start with ``prefix`` (a count-only range; blocking, use a thread)."""
+    end = prefix_end(prefix.encode())
+    body = json.dumps({
+        "key": base64.b64encode(prefix.encode()).decode(),
+        "range_end": base64.b64encode(end).decode(),
+        "count_only": True,
+    }).encode()
+    request = urllib.request.Request(f"{etcd_url.rstrip('/')}/v3/kv/range", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        reply = json.loads(resp.read() or b"{}")
+    return int(reply.get("count", 0)) if isinstance(reply, dict) else 0
+
+
+def _event_type(value: bytes) -> str:
+    """The ``type`` of a JSON event record, or "?" when the value is not one."""
+    try:
+        decoded = json.loads(value)
+    except ValueError:
+        return "?"
+    return str(decoded.get("type", "?")) if isinstance(decoded, dict) else "?"
 
 
 class WriteCounter:
@@ -51,6 +77,8 @@ class WriteCounter:
         self.root = root
         self.on_event = on_event
         self.by_group: Counter[str] = Counter()
+        #: Event records written (keys under an ``outbox`` or ``events`` prefix), by ``type``.
+        self.event_types: Counter[str] = Counter()
         self.puts = 0
         self.deletes = 0
         self.start_revision = 0
@@ -96,7 +124,10 @@ class WriteCounter:
             self.deletes += 1
         else:
             self.puts += 1
-        self.by_group[key_group(key, self.root)] += 1
+        group = key_group(key, self.root)
+        self.by_group[group] += 1
+        if not event.deleted and ("outbox" in group or "events" in group):
+            self.event_types[_event_type(event.kv.value)] += 1
         if self.on_event is not None:
             self.on_event(event)
 

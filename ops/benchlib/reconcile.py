@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ops.benchlib.etcdwatch import WriteCounter
+from ops.benchlib.etcdwatch import WriteCounter, count_prefix
 from ops.benchlib.procs import CpuMeter, rss_mib
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import percentile
@@ -42,6 +42,8 @@ RPCS = "persys_scheduler_agent_rpcs_total"
 WRITES = "persys_scheduler_etcd_writes_total"
 HEARTBEATS = "persys_scheduler_heartbeats_total"
 SCRAPE_EVERY_S = 0.2
+#: How long (plus 5 ms per created workload) the relay may take to drain the outbox.
+OUTBOX_SETTLE_S = 60.0
 CYCLE_KEYS = ("cycle_time_p50_ms", "cycle_time_p99_ms", "agent_rpcs_per_cycle",
               "etcd_writes_per_cycle")
 
@@ -95,11 +97,42 @@ async def run(ctx: BenchContext) -> Outcome:
     missing = await ctx.wait_running(created, timeout=ctx.running_timeout(created))
     if missing:
         out.notes["steady"] = "not steady before the window: " + missing
+    await _settle_outbox(ctx, out, created)
     ctx.log(f"steady state: {created} workloads; observing {ctx.args.cycles} reconcile cycles")
 
     _rss(ctx, out)
     await _observe(ctx, out)
     return out
+
+
+async def _settle_outbox(ctx: BenchContext, out: Outcome, created: int) -> None:
+    """Let the event relay drain the outbox the creation burst filled (this implementation
+    commits events as ``<root>/persys/scheduler/outbox/`` keys; a target without them has
+    none), so that the quiet window measures the steady state and not a relay catching up."""
+    url = ctx.stack.etcd_url
+    if not url:
+        return
+    prefix = f"{ctx.stack.etcd_root}/persys/scheduler/outbox/"
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    deadline = began + OUTBOX_SETTLE_S + created / 200.0
+    try:
+        first = left = await asyncio.to_thread(count_prefix, url, prefix)
+        while left and loop.time() < deadline:
+            await asyncio.sleep(1.0)
+            left = await asyncio.to_thread(count_prefix, url, prefix)
+    except (OSError, ValueError) as exc:
+        out.notes["relay"] = f"could not count the outbox: {exc!r}"
+        return
+    if not first:
+        return
+    took = loop.time() - began
+    if left:
+        out.notes["relay"] = (f"the outbox still held {left} events {took:.0f}s after steady "
+                              f"state (from {first}): the relay lags; its writes are in the "
+                              "window")
+    else:
+        out.notes["relay"] = f"the relay drained {first} outbox events in {took:.1f}s first"
 
 
 def _rss(ctx: BenchContext, out: Outcome) -> None:
@@ -287,11 +320,14 @@ def _write_rate(out: Outcome, watch: WriteCounter | None, window_s: float,
     beats = int((stats1.get("control") or {}).get("heartbeats_ok", 0)) - int(
         (stats0.get("control") or {}).get("heartbeats_ok", 0))
     groups = _fmt(dict(watch.by_group))
-    out.note(key, f"{watch.writes} writes ({groups}) in a {window_s:.1f}s window without API "
+    out.note(key, f"{watch.writes} writes ({watch.puts} puts, {watch.deletes} deletes: "
+             f"{groups}) in a {window_s:.1f}s window without API "
              f"calls (store revision {watch.start_revision - 1} -> {watch.end_revision}); "
              f"{beats} heartbeats answered in it"
              + (f" ({watch.writes / beats:.3f} writes per heartbeat)" if beats else "")
              + "; the cycles' own writes, if any, are included")
+    if watch.event_types:
+        out.note(key, "event records among them: " + _fmt(dict(watch.event_types)))
 
 
 SCENARIO = Scenario(
