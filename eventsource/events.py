@@ -138,7 +138,8 @@ class StreamEntry:
             node_id=str(body.get("nodeId", "")),
             reason=str(body.get("reason", "")),
             timestamp=str(body.get("timestamp", "")),
-            details={str(k): v if isinstance(v, str) else json.dumps(v) for k, v in details.items()},
+            details={str(k): v if isinstance(v, str) else json.dumps(v)
+                     for k, v in details.items()},
             revision=int(body.get("revision", 0)),
             seq=int(body.get("seq", 0)),
             ts=int(body.get("ts", 0)),

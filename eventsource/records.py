@@ -15,7 +15,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, dataclass_transform
 
 from dataclasses_json import CatchAll, Undefined, config, dataclass_json
 
@@ -27,6 +27,7 @@ def _name(json_name: str) -> dict[str, dict[str, Any]]:
 T = TypeVar("T")
 
 
+@dataclass_transform(field_specifiers=(field,))
 def record(cls: type[T]) -> type[T]:
     """A dataclass with dataclasses-json's names and catch-all, and the plain dataclass init.
 
@@ -38,7 +39,7 @@ def record(cls: type[T]) -> type[T]:
     data_cls = dataclass(cls)
     plain_init = data_cls.__init__
     decorated = dataclass_json(undefined=Undefined.INCLUDE)(data_cls)
-    decorated.__init__ = plain_init  # type: ignore[misc]
+    setattr(decorated, "__init__", plain_init)  # noqa: B010 - mypy forbids assigning methods
     return decorated
 
 
@@ -49,7 +50,7 @@ class Resources:
     cpu_usage: float = 0.0
     memory_usage: float = 0.0
     disk_usage: float = 0.0
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
 
 @record
@@ -57,7 +58,7 @@ class Taint:
     key: str = ""
     value: str = ""
     effect: str = ""
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
 
 @record
@@ -93,7 +94,7 @@ class Node:
         default_factory=list, metadata=_name("supportedStorageDrivers")
     )
     domain_name: str = field(default="", metadata=_name("domainName"))
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
     @property
     def endpoint(self) -> str:
@@ -132,7 +133,7 @@ class WorkloadSpec:
     managed_volumes: list[dict[str, Any]] = field(
         default_factory=list, metadata=_name("managedVolumes")
     )
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
 
 @record
@@ -140,7 +141,7 @@ class RetryState:
     attempts: int = 0
     max_attempts: int = field(default=5, metadata=_name("maxAttempts"))
     next_retry_at: str = field(default="", metadata=_name("nextRetryAt"))
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
 
 @record
@@ -150,7 +151,7 @@ class ReasonInfo:
     last_transition: str = field(default="", metadata=_name("lastTransition"))
     next_retry_at: str = field(default="", metadata=_name("nextRetryAt"))
     retryable: bool = False
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
 
 @record
@@ -159,7 +160,7 @@ class StatusInfo:
     last_updated: str = field(default="", metadata=_name("lastUpdated"))
     failure_reason: str = field(default="", metadata=_name("failureReason"))
     reason: ReasonInfo | None = None
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
 
 @record
@@ -175,7 +176,7 @@ class WorkloadStatus:
     retry: RetryState = field(default_factory=RetryState)
     status_info: StatusInfo = field(default_factory=StatusInfo, metadata=_name("statusInfo"))
     usage: dict[str, Any] | None = None
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
 
 @record
@@ -186,7 +187,7 @@ class Assignment:
     node_id: str = field(default="", metadata=_name("nodeId"))
     reason: str = ""
     created_at: str = field(default="", metadata=_name("createdAt"))
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
 
 @record
@@ -201,7 +202,7 @@ class Allocation:
     cpu_millicores: int = field(default=0, metadata=_name("cpuMillicores"))
     memory_mb: int = field(default=0, metadata=_name("memoryMb"))
     workloads: dict[str, list[int]] = field(default_factory=dict)
-    extra: CatchAll = field(default_factory=dict)
+    extra: CatchAll = field(default_factory=dict)  # type: ignore[type-arg]
 
     def add(self, workload_id: str, cpu_millicores: int, memory_mb: int) -> None:
         self.remove(workload_id)
@@ -224,7 +225,7 @@ R = TypeVar("R")
 class _FieldCodec:
     """How one field is read and written, derived once from its dataclass declaration."""
 
-    __slots__ = ("attr", "json_name", "kind", "inner", "default")
+    __slots__ = ("attr", "default", "inner", "json_name", "kind")
 
     def __init__(self, attr: str, json_name: str, kind: str, inner: Any, default: Any) -> None:
         self.attr = attr
@@ -295,7 +296,8 @@ class RecordCodec:
                     fc.inner()
                 )
             elif kind == "optional_record":
-                kwargs[fc.attr] = CODECS[fc.inner].decode(value) if isinstance(value, dict) else None
+                inner = CODECS[fc.inner]
+                kwargs[fc.attr] = inner.decode(value) if isinstance(value, dict) else None
             elif kind == "record_list":
                 codec = CODECS[fc.inner]
                 kwargs[fc.attr] = [codec.decode(v) for v in value if isinstance(v, dict)]
@@ -355,7 +357,7 @@ def decode(cls: type[R], raw: bytes | str) -> R:
     """Decode a stored record; unknown keys land in ``extra``."""
     data = json.loads(raw)
     if not isinstance(data, dict):
-        raise ValueError(f"{cls.__name__}: stored value is not a JSON object")
+        raise TypeError(f"{cls.__name__}: stored value is not a JSON object")
     return CODECS[cls].decode(data)  # type: ignore[no-any-return]
 
 

@@ -369,6 +369,12 @@ class RedisEventLog:
         """Up to ``count`` entries after ``after_id`` (exclusive; None = from the head)."""
         return [entry.decode() for entry in await self.range_raw(after_id, count)]
 
+    async def before(self, before_id: str, count: int) -> list[StreamEntry]:
+        """Up to ``count`` entries with ids strictly less than ``before_id``, ascending."""
+        async with self._call("XREVRANGE"):
+            raw = await self._client.xrevrange(self.key, f"({before_id}", "-", count=count)
+        return [entry.decode() for entry in reversed(_entries(raw))]
+
     async def newest(self, count: int) -> list[StreamEntry]:
         """The newest ``count`` entries, in ascending order."""
         async with self._call("XREVRANGE"):

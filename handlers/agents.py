@@ -82,7 +82,7 @@ class AgentError(Exception):
 
     @property
     def not_found(self) -> bool:
-        return self.code == grpc.StatusCode.NOT_FOUND
+        return bool(self.code == grpc.StatusCode.NOT_FOUND)
 
 
 class AgentPool:
@@ -121,7 +121,8 @@ class AgentPool:
                 )
             else:
                 channel = grpc.aio.insecure_channel(endpoint, options=KEEPALIVE_OPTIONS)
-            entry = _Entry(endpoint, channel, agent_pb2_grpc.AgentServiceStub(channel), stamp)
+            stub = agent_pb2_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call]
+            entry = _Entry(endpoint, channel, stub, stamp)
             self._entries[node_id] = entry
         return entry
 

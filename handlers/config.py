@@ -50,6 +50,11 @@ def default_instance_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
+DEFAULT_TLS_CA = "/etc/persys/certs/persys_scheduler/ca.pem"
+DEFAULT_TLS_CERT = "/etc/persys/certs/persys_scheduler/persys_scheduler.crt"
+DEFAULT_TLS_KEY = "/etc/persys/certs/persys_scheduler/persys_scheduler-key.key"
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Everything configurable, validated."""
@@ -76,9 +81,9 @@ class Settings:
     meter_stream_enabled: bool = True
     meter_stream: str = "persys:usage:stream"
     meter_stream_maxlen: int = 100_000
-    tls_ca: str = "/etc/persys/certs/persys_scheduler/ca.pem"
-    tls_cert: str = "/etc/persys/certs/persys_scheduler/persys_scheduler.crt"
-    tls_key: str = "/etc/persys/certs/persys_scheduler/persys_scheduler-key.key"
+    tls_ca: str = DEFAULT_TLS_CA
+    tls_cert: str = DEFAULT_TLS_CERT
+    tls_key: str = DEFAULT_TLS_KEY
     vault_enabled: bool = False
     agent_tls_enabled: bool = True
     agent_rpc_timeout_s: float = 10.0
@@ -130,11 +135,11 @@ class _Reader:
             return None
         return value.strip()
 
-    def str(self, name: str, default: str) -> str:
+    def text(self, name: str, default: str) -> str:
         value = self.raw(name)
         return default if value is None else value
 
-    def int(self, name: str, default: int, *, minimum: int | None = None,
+    def integer(self, name: str, default: int, *, minimum: int | None = None,
             maximum: int | None = None) -> int:
         value = self.raw(name)
         if value is None:
@@ -158,7 +163,7 @@ class _Reader:
             raise ConfigError(f"{name}: {value!r} must be positive")
         return seconds
 
-    def bool(self, name: str, default: bool) -> bool:
+    def flag(self, name: str, default: bool) -> bool:
         value = self.raw(name)
         if value is None:
             return default
@@ -173,15 +178,15 @@ class _Reader:
 def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings:
     """Read and validate every setting; raises ``ConfigError`` naming the variable."""
     r = _Reader(env)
-    grpc_port = r.int("GRPC_PORT", 8085, minimum=1, maximum=65535)
-    endpoints = tuple(e.strip() for e in r.str("ETCD_ENDPOINTS", "localhost:2379").split(","))
+    grpc_port = r.integer("GRPC_PORT", 8085, minimum=1, maximum=65535)
+    endpoints = tuple(e.strip() for e in r.text("ETCD_ENDPOINTS", "localhost:2379").split(","))
     if not endpoints or any(not e for e in endpoints):
         raise ConfigError("ETCD_ENDPOINTS: empty endpoint in the comma-separated list")
-    ha_mode = r.str("SCHEDULER_HA_MODE", "failover").lower()
+    ha_mode = r.text("SCHEDULER_HA_MODE", "failover").lower()
     if ha_mode not in ("failover", "active-active"):
         raise ConfigError(f"SCHEDULER_HA_MODE: {ha_mode!r} is not 'failover' or 'active-active'")
-    shard_count = r.int("SCHEDULER_SHARD_COUNT", 1, minimum=1, maximum=1024)
-    shard_index = r.int("SCHEDULER_SHARD_INDEX", 0, minimum=0)
+    shard_count = r.integer("SCHEDULER_SHARD_COUNT", 1, minimum=1, maximum=1024)
+    shard_index = r.integer("SCHEDULER_SHARD_INDEX", 0, minimum=0)
     if shard_index >= shard_count:
         raise ConfigError(
             f"SCHEDULER_SHARD_INDEX: {shard_index} is outside 0..{shard_count - 1} "
@@ -192,7 +197,7 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
             "SCHEDULER_SHARD_COUNT/SCHEDULER_SHARD_INDEX: sharding needs "
             "SCHEDULER_HA_MODE=active-active"
         )
-    lease_ttl = r.int("SCHEDULER_LEADER_LEASE_TTL", 15, minimum=2, maximum=3600)
+    lease_ttl = r.integer("SCHEDULER_LEADER_LEASE_TTL", 15, minimum=2, maximum=3600)
     renew = r.duration("SCHEDULER_LEADER_RENEW_DEADLINE", lease_ttl * 2 / 3, allow_zero=False)
     if renew >= lease_ttl:
         raise ConfigError(
@@ -201,45 +206,45 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         )
     settings = Settings(
         insecure=insecure,
-        grpc_addr=r.str("PERSYS_GRPC_ADDR", "0.0.0.0"),
+        grpc_addr=r.text("PERSYS_GRPC_ADDR", "0.0.0.0"),
         grpc_port=grpc_port,
-        metrics_port=r.int("METRICS_PORT", 8084, minimum=0, maximum=65535),
+        metrics_port=r.integer("METRICS_PORT", 8084, minimum=0, maximum=65535),
         etcd_endpoints=endpoints,
         etcd_timeout_s=r.duration("SCHEDULER_ETCD_TIMEOUT", 5.0, allow_zero=False),
-        etcd_root=r.str("SCHEDULER_ETCD_ROOT", ""),
-        domain=r.str("DOMAIN", "persys.local"),
-        agents_discovery_domain=r.str("AGENTS_DISCOVERY_DOMAIN", "agents.persys.cloud"),
-        shard_key=r.str("SCHEDULER_SHARD_KEY", "genesis"),
-        advertise_ip=r.str("SCHEDULER_ADVERTISE_IP", ""),
-        advertise_port=r.int("SCHEDULER_ADVERTISE_PORT", grpc_port, minimum=1, maximum=65535),
-        redis_addr=r.str("REDIS_ADDR", ""),
-        redis_password=r.str("REDIS_PASSWORD", ""),
-        redis_db=r.int("REDIS_DB", 0, minimum=0),
+        etcd_root=r.text("SCHEDULER_ETCD_ROOT", ""),
+        domain=r.text("DOMAIN", "persys.local"),
+        agents_discovery_domain=r.text("AGENTS_DISCOVERY_DOMAIN", "agents.persys.cloud"),
+        shard_key=r.text("SCHEDULER_SHARD_KEY", "genesis"),
+        advertise_ip=r.text("SCHEDULER_ADVERTISE_IP", ""),
+        advertise_port=r.integer("SCHEDULER_ADVERTISE_PORT", grpc_port, minimum=1, maximum=65535),
+        redis_addr=r.text("REDIS_ADDR", ""),
+        redis_password=r.text("REDIS_PASSWORD", ""),
+        redis_db=r.integer("REDIS_DB", 0, minimum=0),
         redis_event_ttl_s=r.duration("REDIS_EVENT_TTL", 24 * 3600.0, allow_zero=False),
-        redis_event_max_entries=r.int("REDIS_EVENT_MAX_ENTRIES", 1000, minimum=1),
-        event_stream=r.str("SCHEDULER_EVENT_STREAM", "scheduler:events"),
-        event_outbox_max=r.int("SCHEDULER_EVENT_OUTBOX_MAX", 100_000, minimum=1),
-        meter_stream_enabled=r.bool("METER_REDIS_STREAM_ENABLED", True),
-        meter_stream=r.str("METER_REDIS_STREAM", "persys:usage:stream"),
-        meter_stream_maxlen=r.int("METER_REDIS_STREAM_MAXLEN", 100_000, minimum=1),
-        tls_ca=r.str("PERSYS_TLS_CA", Settings.tls_ca),
-        tls_cert=r.str("PERSYS_TLS_CERT", Settings.tls_cert),
-        tls_key=r.str("PERSYS_TLS_KEY", Settings.tls_key),
-        vault_enabled=r.bool("PERSYS_VAULT_ENABLED", False),
-        agent_tls_enabled=r.bool("SCHEDULER_AGENT_TLS_ENABLED", not insecure),
+        redis_event_max_entries=r.integer("REDIS_EVENT_MAX_ENTRIES", 1000, minimum=1),
+        event_stream=r.text("SCHEDULER_EVENT_STREAM", "scheduler:events"),
+        event_outbox_max=r.integer("SCHEDULER_EVENT_OUTBOX_MAX", 100_000, minimum=1),
+        meter_stream_enabled=r.flag("METER_REDIS_STREAM_ENABLED", True),
+        meter_stream=r.text("METER_REDIS_STREAM", "persys:usage:stream"),
+        meter_stream_maxlen=r.integer("METER_REDIS_STREAM_MAXLEN", 100_000, minimum=1),
+        tls_ca=r.text("PERSYS_TLS_CA", DEFAULT_TLS_CA),
+        tls_cert=r.text("PERSYS_TLS_CERT", DEFAULT_TLS_CERT),
+        tls_key=r.text("PERSYS_TLS_KEY", DEFAULT_TLS_KEY),
+        vault_enabled=r.flag("PERSYS_VAULT_ENABLED", False),
+        agent_tls_enabled=r.flag("SCHEDULER_AGENT_TLS_ENABLED", not insecure),
         agent_rpc_timeout_s=r.duration("SCHEDULER_AGENT_RPC_TIMEOUT", 10.0, allow_zero=False),
         agent_apply_timeout_s=r.duration("SCHEDULER_AGENT_APPLY_TIMEOUT", 45.0),
         agent_vm_apply_timeout_s=r.duration("SCHEDULER_AGENT_VM_APPLY_TIMEOUT", 240.0),
         agent_delete_timeout_s=r.duration("SCHEDULER_AGENT_DELETE_TIMEOUT", 60.0),
         agent_status_poll_interval_s=r.duration("SCHEDULER_AGENT_STATUS_POLL_INTERVAL", 1.0),
         reconcile_interval_s=r.duration("SCHEDULER_RECONCILE_INTERVAL", 5.0, allow_zero=False),
-        reconcile_concurrency=r.int("SCHEDULER_RECONCILE_CONCURRENCY", 64, minimum=1,
+        reconcile_concurrency=r.integer("SCHEDULER_RECONCILE_CONCURRENCY", 64, minimum=1,
                                     maximum=4096),
         drift_detect_interval_s=r.duration("SCHEDULER_DRIFT_DETECT_INTERVAL", 300.0),
         node_unavailable_grace_s=r.duration("SCHEDULER_NODE_UNAVAILABLE_GRACE", 180.0),
         reapply_guard_s=r.duration("SCHEDULER_REAPPLY_GUARD", 45.0),
-        heartbeat_interval_s=r.int("SCHEDULER_HEARTBEAT_INTERVAL", 60, minimum=1),
-        node_lease_ttl_s=r.int("SCHEDULER_NODE_LEASE_TTL", 180, minimum=2),
+        heartbeat_interval_s=r.integer("SCHEDULER_HEARTBEAT_INTERVAL", 60, minimum=1),
+        node_lease_ttl_s=r.integer("SCHEDULER_NODE_LEASE_TTL", 180, minimum=2),
         node_gc_after_s=r.duration("SCHEDULER_NODE_GC_AFTER", 24 * 3600.0),
         reservation_ttl_s=r.duration("SCHEDULER_RESERVATION_TTL", 90.0),
         ha_mode=ha_mode,
@@ -247,12 +252,12 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         shard_index=shard_index,
         leader_lease_ttl_s=lease_ttl,
         leader_renew_deadline_s=renew,
-        allow_empty_state=r.bool("SCHEDULER_ALLOW_EMPTY_STATE", False),
-        dns_enabled=r.bool("SCHEDULER_DNS_REGISTRATION", True),
-        dns_lease_ttl_s=r.int("SCHEDULER_DNS_LEASE_TTL", 15, minimum=2, maximum=3600),
-        instance_id=r.str("SCHEDULER_INSTANCE_ID", "") or default_instance_id(),
-        log_level=r.str("LOG_LEVEL", "info").lower(),
-        log_format=r.str("LOG_FORMAT", "json").lower(),
+        allow_empty_state=r.flag("SCHEDULER_ALLOW_EMPTY_STATE", False),
+        dns_enabled=r.flag("SCHEDULER_DNS_REGISTRATION", True),
+        dns_lease_ttl_s=r.integer("SCHEDULER_DNS_LEASE_TTL", 15, minimum=2, maximum=3600),
+        instance_id=r.text("SCHEDULER_INSTANCE_ID", "") or default_instance_id(),
+        log_level=r.text("LOG_LEVEL", "info").lower(),
+        log_format=r.text("LOG_FORMAT", "json").lower(),
     )
     if settings.node_lease_ttl_s <= settings.heartbeat_interval_s:
         raise ConfigError(

@@ -106,7 +106,7 @@ class EventService:
             if before is None:
                 page = await self.log.newest(PAGE)
             else:
-                page = await self._before(before, PAGE)
+                page = await self.log.before(before, PAGE)
             if not page:
                 break
             scanned += len(page)
@@ -120,22 +120,6 @@ class EventService:
             before = page[0].stream_id
         out.reverse()
         return out
-
-    async def _before(self, before_id: str, count: int) -> list[StreamEntry]:
-        """Up to ``count`` entries with ids strictly less than ``before_id``, ascending."""
-        raw = await self.log._client.xrevrange(  # noqa: SLF001
-            self.log.key, f"({before_id}", "-", count=count)
-        entries = []
-        for stream_id, fields in raw:
-            data = fields.get("data")
-            if data is None:
-                continue
-            try:
-                entries.append(StreamEntry.decode(stream_id, data))
-            except ValueError:
-                continue
-        entries.reverse()
-        return entries
 
     async def _after_matching(self, flt: EventFilter, after_id: str, limit: int,
                               *, upto: str | None = None

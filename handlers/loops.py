@@ -93,7 +93,7 @@ from handlers.retry import (
 )
 from handlers.specs import agent_apply_request, request_of
 from handlers.state import NotFound
-from handlers.workloads import Outcome
+from handlers.workloads import Outcome, mark_apply_requested
 from projections.prefix import Item
 
 if TYPE_CHECKING:
@@ -458,6 +458,7 @@ class ReconcileLoop(_Shell):
                 log.debug("reconcile: no node fits workload_id=%s: %s", workload_id,
                           placed.message)
                 return False
+            mark_apply_requested(placed.status, spec, rfc3339(now))
             change = placed.change
             change.kind = "reconcile"
             change.compares.append(Compare.mod(self.layout.status(workload_id),
@@ -475,8 +476,8 @@ class ReconcileLoop(_Shell):
                 c.placer.release(workload_id)
                 await c._catch_up(exc)
                 raise
-            # the dispatcher records the apply's outcome on the status record: let this
-            # replica's projection show the placement first, or that record is lost
+            # a failed apply is recorded on the status record: let this replica's projection
+            # show the placement first, or that record would find nothing to update
             await self.cluster.wait_for(committed.revision, which=("statuses",))
             self.dispatcher.apply(spec, placed.status.metadata, placed.node_id,
                                   spec.desired_state)

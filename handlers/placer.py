@@ -31,7 +31,7 @@ def node_info(node: Node) -> NodeInfo:
     for key, value in node.labels.items():
         if key.startswith("storage.") and value.lower() == "true":
             drivers.add(canonical_driver(key[len("storage."):]))
-    hypervisor = node.extra.get("hypervisor") or {}
+    hypervisor = (node.extra or {}).get("hypervisor") or {}
     hv_ok = isinstance(hypervisor, dict) and (
         bool(hypervisor.get("type")) or str(hypervisor.get("status", "")).lower()
         in ("active", "ready")
@@ -39,7 +39,7 @@ def node_info(node: Node) -> NodeInfo:
     return NodeInfo(
         node_id=node.node_id,
         status=node.status,
-        cpu_total_m=int(round(node.total_cpu * 1000)),
+        cpu_total_m=round(node.total_cpu * 1000),
         mem_total_mb=int(node.total_memory),
         labels=dict(node.labels),
         taints=tuple((t.key, t.value, t.effect) for t in node.taints),

@@ -25,8 +25,8 @@ from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.stream import RedisEventLog, StreamTailer, writer_client
 from handlers.agents import AgentPool, TlsFiles
-from handlers.buckets import build_buckets
 from handlers.batcher import PlacementBatcher
+from handlers.buckets import build_buckets
 from handlers.config import Settings
 from handlers.disks import DiskCommands
 from handlers.dispatch import Dispatcher
@@ -224,7 +224,8 @@ class Scheduler:
 
     async def _start_grpc(self) -> None:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * 1024 * 1024)])
-        control_pb2_grpc.add_AgentControlServicer_to_server(self.servicer, server)
+        control_pb2_grpc.add_AgentControlServicer_to_server(  # type: ignore[no-untyped-call]
+            self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
         service_name = control_pb2.DESCRIPTOR.services_by_name["AgentControl"].full_name
         reflection.enable_server_reflection(

@@ -251,7 +251,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
     async def DrainNode(self, request: control_pb2.DrainNodeRequest,
                         context: grpc.aio.ServicerContext) -> control_pb2.DrainNodeResponse:
         async def body(node_id: str) -> control_pb2.DrainNodeResponse:
-            node, moved = await self.nodes.drain(node_id, request.reason)
+            _node, moved = await self.nodes.drain(node_id, request.reason)
             return control_pb2.DrainNodeResponse(
                 accepted=True, message=f"node draining; {moved} workloads relocated",
                 relocated_workloads=moved, node=self._node_view(node_id))

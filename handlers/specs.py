@@ -232,7 +232,7 @@ def compute_revision(spec: WorkloadSpec) -> str:
 
 def request_of(spec: WorkloadSpec) -> tuple[int, int]:
     """(cpu millicores, memory MB) requested by a spec."""
-    return int(round(spec.resources.cpu_usage * 1000)), int(round(spec.resources.memory_usage))
+    return round(spec.resources.cpu_usage * 1000), round(spec.resources.memory_usage)
 
 
 def _split_port(text: str) -> agent_pb2.PortMapping | None:

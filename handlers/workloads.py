@@ -162,7 +162,7 @@ class WorkloadCommands:
         allocation.node_id = node_id
         allocation.add(spec.id, cpu_m, mem_mb)
         node = node_item.value
-        if (allocation.cpu_millicores > int(round(node.total_cpu * 1000)) and cpu_m > 0) or (
+        if (allocation.cpu_millicores > round(node.total_cpu * 1000) and cpu_m > 0) or (
             allocation.memory_mb > node.total_memory and mem_mb > 0
         ):
             # the projection moved between decide and here; decide again
@@ -269,7 +269,7 @@ class WorkloadCommands:
         else:
             new = copy.deepcopy(parsed.spec)
             new.created_at = old_spec.created_at or new.created_at
-            new.extra = dict(old_spec.extra)
+            new.extra = dict(old_spec.extra or {})
             if not new.revision_id:
                 new.revision_id = compute_revision(new)
             if new.revision_id == old_spec.revision_id and new.desired_state == (
@@ -326,7 +326,7 @@ class WorkloadCommands:
         allocation.add(workload_id, *new_req)
         if node_item is not None:
             node = node_item.value
-            if allocation.cpu_millicores > int(round(node.total_cpu * 1000)) or (
+            if allocation.cpu_millicores > round(node.total_cpu * 1000) or (
                 allocation.memory_mb > node.total_memory
             ):
                 return Outcome(False, "INSUFFICIENT_RESOURCES",

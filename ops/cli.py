@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if not args_list or args_list[0].startswith("-") and args_list[0] not in ("-h", "--help"):
+    if not args_list or (args_list[0].startswith("-") and args_list[0] not in ("-h", "--help")):
         args_list = ["serve", *args_list]
     parser = build_parser()
     args = parser.parse_args(args_list)

@@ -17,11 +17,11 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 
+from eventsource.errors import Compacted, StoreError, Unavailable, WatchCanceled
 from eventsource.etcd import AsyncEtcd
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Allocation, Node, WorkloadSpec, WorkloadStatus, decode
-from eventsource.errors import Compacted, StoreError, Unavailable, WatchCanceled
 from eventsource.watch import WatchBatch, WatchEvent, WatchStream
 from projections.prefix import Item, PrefixProjection
 
@@ -94,12 +94,14 @@ class WorkloadIndex:
         old: Item[WorkloadStatus] | None,
         new: Item[WorkloadStatus] | None,
     ) -> None:
-        if old is not None and new is not None:
-            if node_of(old.value) == node_of(new.value) and (
-                (old.value.status.lower() in INACTIVE_STATUSES)
-                == (new.value.status.lower() in INACTIVE_STATUSES)
-            ):
-                return
+        if (
+            old is not None
+            and new is not None
+            and node_of(old.value) == node_of(new.value)
+            and (old.value.status.lower() in INACTIVE_STATUSES)
+            == (new.value.status.lower() in INACTIVE_STATUSES)
+        ):
+            return
         self._remove(item_id)
         if new is not None:
             self._add(item_id, new.value)
@@ -158,7 +160,9 @@ class ClusterProjection:
             asyncio.gather(*(p.ready.wait() for p in self.projections)), timeout
         )
 
-    async def wait_for(self, revision: int, *, timeout: float = 5.0, which: Iterable[str] = ()) -> None:
+    async def wait_for(
+        self, revision: int, *, timeout: float = 5.0, which: Iterable[str] = ()
+    ) -> None:
         """Wait until the named projections (all by default) reflect ``revision``."""
         targets = [p for p in self.projections if not which or p.name in which]
         await asyncio.gather(*(p.wait_for_revision(revision, timeout) for p in targets))

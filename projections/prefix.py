@@ -40,7 +40,7 @@ class Item(Generic[R]):
     lease: int
 
 
-class Listener(Protocol[R]):  # type: ignore[misc]
+class Listener(Protocol[R]):
     def changed(self, item_id: str, old: Item[R] | None, new: Item[R] | None) -> None: ...
 
     def reset(self, items: dict[str, Item[R]]) -> None: ...

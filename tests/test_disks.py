@@ -20,7 +20,7 @@ async def api(etcd_server, key_root, stream_key):
 
 
 async def test_disk_lifecycle(api):
-    sched, stub = api
+    _sched, stub = api
     created = (await stub.CreateDisk(pb.CreateDiskRequest(name="data-1", driver="ceph_rbd",
                                                           size_gb=20))).disk
     assert created.id.startswith("disk-")

@@ -348,6 +348,42 @@ async def test_deleting_workload_is_deleted_on_its_agent_and_finalised(
         assert "gone-soon" not in allocation.value.workloads
 
 
+async def test_unassigned_workload_is_placed_and_applied(etcd_server, redis_server, key_root,
+                                                         stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 2) as s:
+        await s.apply(["drifter"])
+        await s.running(["drifter"])
+        old = s.holder("drifter")
+        old.kill_workloads(["drifter"])
+        # as after a runtime-unsupported answer: assignment cleared, allocation released
+        status_item = s.sched.cluster.statuses.get("drifter")
+        alloc_item = s.sched.cluster.allocations.get(old.node_id)
+        assert status_item is not None
+        assert alloc_item is not None
+        st = copy.deepcopy(status_item.value)
+        st.node_id = st.assigned_node = ""
+        st.status = "Pending"
+        alloc = copy.deepcopy(alloc_item.value)
+        alloc.remove("drifter")
+        await s.sched.committer.commit(Change(kind="test", compares=[
+            Compare.mod(s.sched.layout.status("drifter"), status_item.mod_revision),
+            Compare.mod(s.sched.layout.allocation(old.node_id), alloc_item.mod_revision)],
+            puts=[Put(s.sched.layout.status("drifter"), encode(st), category="status"),
+                  Put(s.sched.layout.allocation(old.node_id), encode(alloc),
+                      category="allocation")]))
+        await s.caught_up()
+        report = await s.loops.reconcile.run_once()
+        assert report.actions == {"Assign": 1}
+        assert report.succeeded["Assign"] == 1
+        await s.running(["drifter"])
+        placed = s.status("drifter")
+        assert placed.metadata["lastApplyRevision"]
+        allocation = s.sched.cluster.allocations.get(placed.node_id)
+        assert allocation is not None
+        assert "drifter" in allocation.value.workloads
+
+
 # -- retry budget --------------------------------------------------------------------------------
 
 #: (seconds after the first observed failure, the action of that cycle, attempts after it)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import resource
 import shutil
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -36,6 +38,11 @@ from ops.benchlib.promtext import MetricsSnapshot
 from ops.devstack import EtcdProcess, RedisProcess, free_port
 
 HOST = "127.0.0.1"
+#: Extra start-up allowance per simulated node (5,000 nodes register in minutes, not seconds,
+#: when the scheduler is the bottleneck).
+STARTUP_PER_NODE_S = 0.05
+#: Lowest port service_port() picks.
+PORT_FLOOR = 10000
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -91,6 +98,8 @@ class Stack:
         self._etcd: EtcdProcess | None = None
         self._redis: RedisProcess | None = None
         self._failed = False
+        #: Ports handed to children (some maybe not bound yet).
+        self._ports: set[int] = set()
 
     @property
     def managed(self) -> bool:
@@ -151,7 +160,7 @@ class Stack:
 
     async def _start_schedulers(self) -> None:
         for i in range(self.options.replicas):
-            grpc_port, metrics_port = free_port(), free_port()
+            grpc_port, metrics_port = service_port(self._ports), service_port(self._ports)
             child = Child(
                 f"scheduler-{i}",
                 [sys.executable, "-m", "ops.cli", "serve", "-insecure"],
@@ -208,7 +217,7 @@ class Stack:
                                seed=o.seed)
             await self.fleet.start()
             return
-        port = free_port()
+        port = service_port(self._ports)
         argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", self.grpc_addrs[0],
                 "--nodes", str(o.nodes), "--stats-port", str(port), "--report-every", "0",
                 "--apply-latency", f"{o.apply_latency_s:g}"]
@@ -234,35 +243,38 @@ class Stack:
             await asyncio.sleep(0.2)
 
     async def _wait_registered(self) -> None:
-        """Every simulated node registered (the fleet says so) and Ready (the API says so)."""
+        """Every replica's API counts all simulated nodes Ready.
+
+        The API's view is what placement uses; the fleet's own "registered" count is only
+        reported, because an overloaded scheduler makes some nodes' heartbeats time out and
+        re-register, so it may never read N at one instant while the scheduler has them all.
+        """
         from ops.benchlib.clients import ApiClients
 
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.options.startup_timeout_s
+        timeout = self.options.startup_timeout_s + self.options.nodes * STARTUP_PER_NODE_S
+        deadline = loop.time() + timeout
         want = self.options.nodes
-        while (await self.fleet_stats())["registered"] < want:
-            if loop.time() > deadline:
-                raise StackError(f"the fleet did not register {want} nodes within "
-                                 f"{self.options.startup_timeout_s:g}s")
-            await asyncio.sleep(0.2)
         api = ApiClients(self.grpc_addrs)
         ready: list[int] = []
+        last_error = ""
         try:
             while True:
                 try:
                     ready = [(await api.summary(i, timeout=10.0)).ready_nodes
                              for i in range(len(self.grpc_addrs))]
                 except grpc.aio.AioRpcError as exc:
-                    ready = [-1]
-                    last_error = f"{exc.code().name}: {exc.details()}"
+                    last_error = f"; GetClusterSummary: {exc.code().name} {exc.details()}"
                 else:
-                    last_error = ""
-                if ready and min(ready) >= want:
-                    return
+                    if min(ready) >= want:
+                        return
                 if loop.time() > deadline:
-                    raise StackError(f"the schedulers see {ready} Ready nodes of {want} after "
-                                     f"{self.options.startup_timeout_s:g}s {last_error}")
-                await asyncio.sleep(0.2)
+                    stats = await self.fleet_stats()
+                    raise StackError(
+                        f"after {timeout:.0f}s the schedulers count {ready} Ready nodes of "
+                        f"{want}; the fleet says {stats.get('registered')} registered, "
+                        f"control outcomes {stats.get('control')}{last_error}")
+                await asyncio.sleep(0.5)
         finally:
             await api.close()
 
@@ -343,6 +355,40 @@ class Stack:
         parts = [f"--- {c.name} ---\n{c.tail()}"
                  for c in ([self.sim] if self.sim else []) + self.schedulers]
         return "\n".join(parts)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def service_port(taken: set[int]) -> int:
+    """A free loopback port outside the kernel's ephemeral range.
+
+    Why: the simulator binds one server per node on kernel-picked (ephemeral) ports before its
+    stats server starts; 5,000 of them take a fifth of the range, so a port picked from that
+    range a moment earlier is often taken by then. ``taken`` holds ports already handed out
+    (not bound yet); the chosen one is added to it.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(50):
+        port = rng.randrange(PORT_FLOOR, max(PORT_FLOOR + 1, low))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            if port in taken:
+                continue
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    port = free_port()
+    taken.add(port)
+    return port
 
 
 def _raise_fd_limit(need: int) -> None:
