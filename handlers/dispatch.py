@@ -57,6 +57,9 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def etcd_revision(self) -> int:
+        return await self.committer.etcd.current_revision()
+
     def endpoint(self, node_id: str) -> str | None:
         item = self.cluster.nodes.get(node_id)
         return item.value.endpoint if item is not None else None
@@ -99,7 +102,12 @@ class Dispatcher:
             return []
 
         try:
-            await self.writer.update_status(spec.id, mutate, kind="dispatch")
+            try:
+                await self.writer.update_status(spec.id, mutate, kind="dispatch")
+            except NotFound:
+                # the agent answered before this replica's projection showed the commit
+                await self.cluster.wait_for(await self.etcd_revision(), which=("statuses",))
+                await self.writer.update_status(spec.id, mutate, kind="dispatch")
         except (NotFound, Conflict, StoreError) as exc:
             log.info("apply outcome not recorded workload_id=%s: %s", spec.id, exc)
 
@@ -143,7 +151,7 @@ class Dispatcher:
                 log.info("old copy not removed workload_id=%s node_id=%s: %s (drift cleans up)",
                          workload_id, node_id, exc)
 
-    async def finalize(self, workload_id: str) -> bool:
+    async def finalize(self, workload_id: str, *, fenced: bool = False) -> bool:
         """Remove a deleted workload's state and release its allocation; True when removed."""
         from handlers.workloads import delete_workload_change
 
@@ -170,7 +178,7 @@ class Dispatcher:
                             reason="Workload state removed", timestamp=self.clock.now()),
             )
             try:
-                await self.committer.commit(change)
+                await self.committer.commit(change, fenced=fenced)
             except Conflict as exc:
                 if exc.revision:
                     await self.cluster.wait_for(exc.revision,

@@ -397,7 +397,7 @@ class ReconcileLoop(_Shell):
         kind = action.kind
         try:
             if kind == FINALIZE:
-                await self.dispatcher.finalize(action.workload_id)
+                await self.dispatcher.finalize(action.workload_id, fenced=True)
                 return True
             if kind == DELETE:
                 return await self._delete(action.workload_id, action.node_id, views, report,
@@ -438,7 +438,7 @@ class ReconcileLoop(_Shell):
                          node_id, exc)
                 return False
         if finalize:
-            await self.dispatcher.finalize(workload_id)
+            await self.dispatcher.finalize(workload_id, fenced=True)
         return True
 
     async def _place(self, workload_id: str, now: datetime) -> bool:

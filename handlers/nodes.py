@@ -305,6 +305,8 @@ class NodeCommands:
                 usages[wid] = _usage_dict(ws.usage)
             state = map_agent_state(ws.state)
             current = item.value
+            if current.status == "RetryPending" and state == "Failed":
+                continue  # the retry budget already decided what follows this failure
             if current.status in ("Deleting", "Deleted") or (
                 current.status == state and not ws.message
             ):
@@ -354,8 +356,11 @@ class NodeCommands:
         now = self.clock.now()
         stamp = rfc3339(now)
 
+        already = {"draining": False}
+
         def mutate(node: Node) -> list[Event] | None:
             if node.status == DRAINING:
+                already["draining"] = True
                 return None
             node.status = DRAINING
             node.status_reason = reason or "node drain requested"
@@ -368,7 +373,8 @@ class NodeCommands:
         moved = 0
         for workload_id in sorted(self.cluster.workload_ids_on(node_id)):
             outcome = await self.relocator.relocate(workload_id, from_node=node_id,
-                                                    event_type="Relocated")
+                                                    event_type="Relocated",
+                                                    report_skip=not already["draining"])
             moved += outcome == "moved"
         return node, moved
 

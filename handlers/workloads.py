@@ -480,7 +480,7 @@ class Relocator:
         self.c = commands
 
     async def relocate(self, workload_id: str, *, from_node: str, event_type: str,
-                       fenced: bool = False) -> str:
+                       fenced: bool = False, report_skip: bool = True) -> str:
         """Move one workload; returns 'moved', 'skipped', 'no-target' or 'gone'."""
         c = self.c
 
@@ -494,6 +494,8 @@ class Relocator:
                 return "gone"
             spec = spec_item.value
             if is_node_local(spec, status.metadata):
+                if not report_skip:
+                    return "skipped"
                 pclass = persistence_class(spec, status.metadata)
                 await c.committer.commit(Change(kind="relocate", events=[Event(
                     type="RescheduleSkipped", workload_id=workload_id, node_id=from_node,
