@@ -29,8 +29,8 @@ _UNIT_SECONDS = {
 def parse_duration(name: str, text: str) -> float:
     """Seconds from a Go duration (``90s``, ``1m30s``, ``24h``) or an integer of seconds."""
     value = text.strip()
-    if re.fullmatch(r"-?\d+", value):
-        return float(int(value))
+    if re.fullmatch(r"-?\d+(\.\d+)?", value):
+        return float(value)
     if not value:
         raise ConfigError(f"{name}: empty duration")
     pos = 0
@@ -107,6 +107,7 @@ class Settings:
     leader_renew_deadline_s: float = 10.0
     allow_empty_state: bool = False
     dns_enabled: bool = True
+    relay_enabled: bool = True
     dns_lease_ttl_s: int = 15
     max_spec_bytes: int = 1024 * 1024
     instance_id: str = field(default_factory=default_instance_id)
@@ -254,6 +255,7 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         leader_renew_deadline_s=renew,
         allow_empty_state=r.flag("SCHEDULER_ALLOW_EMPTY_STATE", False),
         dns_enabled=r.flag("SCHEDULER_DNS_REGISTRATION", True),
+        relay_enabled=r.flag("SCHEDULER_RELAY_ENABLED", True),
         dns_lease_ttl_s=r.integer("SCHEDULER_DNS_LEASE_TTL", 15, minimum=2, maximum=3600),
         instance_id=r.text("SCHEDULER_INSTANCE_ID", "") or default_instance_id(),
         log_level=r.text("LOG_LEVEL", "info").lower(),

@@ -185,7 +185,7 @@ class Scheduler:
         self.tasks.start("mode-supervisor", self.supervisor.run)
         if self.tailer is not None:
             await self.tailer.start()
-        if self.event_log is not None:
+        if self.event_log is not None and self.settings.relay_enabled:
             self.relay = self._build_relay()
             if self.relay is not None:
                 self.tasks.start("relay", self.relay.run)
