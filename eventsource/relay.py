@@ -544,9 +544,14 @@ class Relay:
                         self._metrics.watch_restarts.labels(reason).inc()
                         log.info("relay watch ended (%s), resuming from %d", exc, after + 1)
                         break
-                    records, poison = _parse_all([e.kv for e in batch.events if not e.deleted])
-                    await self._relay(lead, records, poison, caught_up=batch.revision)
-                    after = max(after, batch.revision)
+                    # coalesce whatever else already arrived: one append and one etcd txn
+                    # for many commits instead of one round trip per commit
+                    batches = [batch, *watch.take_ready()]
+                    kvs = [e.kv for b in batches for e in b.events if not e.deleted]
+                    records, poison = _parse_all(kvs)
+                    newest = max(b.revision for b in batches)
+                    await self._relay(lead, records, poison, caught_up=newest)
+                    after = max(after, newest)
             finally:
                 watch.close()
             await asyncio.sleep(self._retry_min)

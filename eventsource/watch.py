@@ -182,6 +182,22 @@ class WatchStream:
                 self.last_revision = item.revision
             yield item
 
+    def take_ready(self) -> list[WatchBatch]:
+        """Every batch already received, without waiting (consumers that coalesce work).
+
+        Stops at an error or the end marker, which stays queued for the next ``__anext__``.
+        """
+        ready: list[WatchBatch] = []
+        while not self._queue.empty():
+            item = self._queue._queue[0]  # type: ignore[attr-defined]  # peek: errors stay
+            if not isinstance(item, WatchBatch):
+                break
+            self._queue.get_nowait()
+            if item.revision > self.last_revision:
+                self.last_revision = item.revision
+            ready.append(item)
+        return ready
+
     def close(self) -> None:
         """Stop delivering; safe to call more than once and from the loop.
 

@@ -9,12 +9,14 @@ a compare, so a heartbeat on one replica and a reconcile on another cannot overw
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from eventsource.commit import Change, Committed, Committer, retry_on_conflict
-from eventsource.errors import Conflict
+from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import Compare, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
@@ -32,13 +34,39 @@ class NotFound(LookupError):
     """The record to update does not exist."""
 
 
+class KeyedLocks:
+    """One asyncio lock per key, dropped when nobody holds or waits for it (bounded memory)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users <= 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
 class StateWriter:
-    """CAS updates of node and workload-status records."""
+    """CAS updates of node and workload-status records.
+
+    Writers of one record inside this replica queue on a per-key lock instead of racing each
+    other into CAS conflicts; CAS still decides between replicas.
+    """
 
     def __init__(self, cluster: ClusterProjection, committer: Committer, layout: KeyLayout) -> None:
         self.cluster = cluster
         self.committer = committer
         self.layout = layout
+        self.locks = KeyedLocks()
 
     async def _update(
         self,
@@ -68,13 +96,18 @@ class StateWriter:
                 events=events,
             )
             try:
-                return record, await self.committer.commit(change, fenced=fenced)
+                committed = await self.committer.commit(change, fenced=fenced)
             except Conflict as exc:
                 if exc.revision:
                     await projection.wait_for_revision(exc.revision)
                 raise
+            # the next writer of this key (queued on its lock) must read this write
+            with contextlib.suppress(StoreError):
+                await projection.wait_for_revision(committed.revision, timeout=2.0)
+            return record, committed
 
-        return await retry_on_conflict(attempt)
+        async with self.locks.hold(key):
+            return await retry_on_conflict(attempt)
 
     async def update_status(
         self, workload_id: str, mutate: Mutator[WorkloadStatus], *, kind: str = "status",

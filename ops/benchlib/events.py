@@ -1,0 +1,114 @@
+"""Scenario ``events``: commit-to-delivery latency of WatchEvents under a steady event rate.
+
+The bench generates events the way an operator would: SetNodeLabel on the simulated nodes at
+``--rate`` per second, each carrying a tag (label value ``<run>-<seq>``). Each of ``--watchers``
+WatchEvents clients filters on one node; events are generated round-robin over the watched
+nodes, so every tagged event has exactly one watcher. Latency = the moment a watcher receives
+the event - the event's commit timestamp (``SchedulerEventView.timestamp``); only tagged events
+are counted. ``events_lost`` are tagged events a watcher never received within the drain
+window; ``events_duplicated`` are tagged events received more than once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import grpc
+
+from ops.benchlib.quantiles import percentile
+from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from proto.persys.control.v1 import control_pb2
+
+FIGURES = ("events", "watchers", "event_latency_p50_ms", "event_latency_p99_ms",
+           "events_lost", "events_duplicated")
+DURATION_S = 10.0
+DRAIN_S = 10.0
+
+
+async def run(ctx: BenchContext) -> Outcome:
+    out = Outcome.empty(FIGURES)
+    stub = ctx.api.stubs[0]
+    nodes = (await stub.ListNodes(control_pb2.ListNodesRequest())).nodes
+    node_ids = sorted(n.node_id for n in nodes)[: ctx.args.watchers]
+    if not node_ids:
+        raise RuntimeError("events needs registered nodes")
+    run_tag = uuid.uuid4().hex[:8]
+    received: dict[str, list[float]] = {}
+    latencies: list[float] = []
+    ready = 0
+    watch_calls: list[Any] = []
+
+    async def watch(node_id: str) -> None:
+        nonlocal ready
+        call = stub.WatchEvents(control_pb2.WatchEventsRequest(node_id=node_id,
+                                                               type="NodeLabelSet"))
+        watch_calls.append(call)
+        first = True
+        try:
+            async for event in call:
+                if first:
+                    first = False
+                value = event.details.get("value", "")
+                if not value.startswith(run_tag):
+                    continue
+                now = time.time()
+                committed = event.timestamp.seconds + event.timestamp.nanos / 1e9
+                latencies.append((now - committed) * 1000.0)
+                received.setdefault(value, []).append(now)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                ctx.log(f"events: watcher {node_id} ended: {exc.code().name} {exc.details()}")
+
+    watchers = [asyncio.create_task(watch(n)) for n in node_ids]
+    await asyncio.sleep(1.0)  # let every watcher subscribe before the first tagged event
+    rate = float(ctx.args.rate)
+    total = int(rate * DURATION_S)
+    sent: list[str] = []
+    ctx.log(f"events: {total} SetNodeLabel at {rate:g}/s over {len(node_ids)} watched nodes")
+    began = time.monotonic()
+    in_flight: set[asyncio.Task[Any]] = set()
+
+    async def label(i: int) -> None:
+        value = f"{run_tag}-{i}"
+        resp = await stub.SetNodeLabel(control_pb2.SetNodeLabelRequest(
+            node_id=node_ids[i % len(node_ids)], key="bench-tag", value=value))
+        if resp.accepted:
+            sent.append(value)
+
+    for i in range(total):
+        due = began + i / rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(label(i))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+    await asyncio.gather(*in_flight, return_exceptions=True)
+    achieved = total / max(1e-9, time.monotonic() - began)
+    deadline = time.monotonic() + DRAIN_S
+    while time.monotonic() < deadline and len(received) < len(sent):
+        await asyncio.sleep(0.1)
+    for call in watch_calls:
+        call.cancel()
+    await asyncio.gather(*watchers, return_exceptions=True)
+    out.figures["events"] = len(sent)
+    out.figures["watchers"] = len(node_ids)
+    if latencies:
+        out.figures["event_latency_p50_ms"] = round(percentile(latencies, 0.50) or 0.0, 2)
+        out.figures["event_latency_p99_ms"] = round(percentile(latencies, 0.99) or 0.0, 2)
+    else:
+        out.null("event_latency_p50_ms", "no tagged event was delivered")
+        out.null("event_latency_p99_ms", "no tagged event was delivered")
+    out.figures["events_lost"] = len(set(sent) - set(received))
+    out.figures["events_duplicated"] = sum(len(v) - 1 for v in received.values() if len(v) > 1)
+    out.notes["rate"] = f"asked {rate:g}/s, sent {achieved:.0f}/s (SetNodeLabel answered)"
+    out.notes["event_latency_p50_ms"] = ("delivery wall time minus the event's timestamp "
+                                         "(set when the change was decided, just before commit)")
+    return out
+
+
+SCENARIO = Scenario(name="events", summary=__doc__.splitlines()[0] if __doc__ else "events",
+                    figures=FIGURES, run=run)
