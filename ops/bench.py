@@ -148,6 +148,7 @@ def _stack_options(args: argparse.Namespace, scenario: Scenario) -> StackOptions
         etcd_url=args.etcd,
         etcd_root=args.etcd_root,
         keep=args.keep,
+        lease_ttl_s=args.lease_ttl,
     )
 
 

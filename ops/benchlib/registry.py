@@ -8,9 +8,10 @@ it needs that ``ops/bench.py`` does not have yet go there (``--kills``, ``--leas
 
 from __future__ import annotations
 
-from ops.benchlib import churn, events, place, reconcile
+from ops.benchlib import churn, events, failover, place, reconcile
 from ops.benchlib.scenario import Scenario
 
 SCENARIOS: dict[str, Scenario] = {
-    s.name: s for s in (place.SCENARIO, reconcile.SCENARIO, churn.SCENARIO, events.SCENARIO)
+    s.name: s for s in (place.SCENARIO, reconcile.SCENARIO, churn.SCENARIO, events.SCENARIO,
+                        failover.SCENARIO)
 }

@@ -72,6 +72,7 @@ class StackOptions:
     etcd_root: str = ""
     keep: bool = False
     startup_timeout_s: float = 120.0
+    lease_ttl_s: int = 15
 
     @property
     def external(self) -> bool:
@@ -145,6 +146,7 @@ class Stack:
             "SCHEDULER_NODE_LEASE_TTL": str(max(30, 3 * o.heartbeat_interval_s)),
             "SCHEDULER_RECONCILE_INTERVAL": f"{o.reconcile_interval_s:g}",
             "SCHEDULER_REAPPLY_GUARD": f"{o.reapply_guard_s:g}",
+            "SCHEDULER_LEADER_LEASE_TTL": str(o.lease_ttl_s),
             "LOG_LEVEL": "warning",
             "PYTHONUNBUFFERED": "1",
         })
@@ -175,6 +177,21 @@ class Stack:
         await asyncio.gather(*(self._wait_healthy(c, a)
                                for c, a in zip(self.schedulers, self.metrics_addrs, strict=True)))
         await self._wait_leaders()
+
+    async def restart_scheduler(self, index: int) -> None:
+        """Start scheduler ``index`` again on its old ports (after it was killed)."""
+        grpc_port = int(self.grpc_addrs[index].rsplit(":", 1)[1])
+        metrics_port = int(self.metrics_addrs[index].rsplit(":", 1)[1])
+        child = Child(
+            f"scheduler-{index}",
+            [sys.executable, "-m", "ops.cli", "serve", "-insecure"],
+            env=self._scheduler_env(index, grpc_port, metrics_port),
+            log=self.workdir / f"scheduler-{index}.log",
+            cwd=_PROJECT_ROOT,
+        )
+        self.schedulers[index] = child
+        self.scheduler_pids[child.name] = child.pid
+        await self._wait_healthy(child, self.metrics_addrs[index])
 
     async def _wait_healthy(self, child: Child, metrics_addr: str) -> None:
         loop = asyncio.get_running_loop()
