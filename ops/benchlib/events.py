@@ -12,6 +12,7 @@ window; ``events_duplicated`` are tagged events received more than once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -40,6 +41,7 @@ async def run(ctx: BenchContext) -> Outcome:
     latencies: list[float] = []
     ready = 0
     watch_calls: list[Any] = []
+    all_in = asyncio.Event()
 
     async def watch(node_id: str) -> None:
         nonlocal ready
@@ -58,6 +60,8 @@ async def run(ctx: BenchContext) -> Outcome:
                 committed = event.timestamp.seconds + event.timestamp.nanos / 1e9
                 latencies.append((now - committed) * 1000.0)
                 received.setdefault(value, []).append(now)
+                if sent and len(received) >= len(sent):
+                    all_in.set()
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 ctx.log(f"events: watcher {node_id} ended: {exc.code().name} {exc.details()}")
@@ -88,9 +92,11 @@ async def run(ctx: BenchContext) -> Outcome:
         task.add_done_callback(in_flight.discard)
     await asyncio.gather(*in_flight, return_exceptions=True)
     achieved = total / max(1e-9, time.monotonic() - began)
-    deadline = time.monotonic() + DRAIN_S
-    while time.monotonic() < deadline and len(received) < len(sent):
-        await asyncio.sleep(0.1)
+    target = len(sent)
+    if len(received) < target:
+        all_in.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(all_in.wait(), DRAIN_S)
     for call in watch_calls:
         call.cancel()
     await asyncio.gather(*watchers, return_exceptions=True)
