@@ -56,6 +56,18 @@ class Intent:
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+def _settle(future: asyncio.Future[int], *, result: int | None = None,
+            error: BaseException | None = None) -> None:
+    """Resolve a caller's future unless it is already done (cancelled by its caller)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        assert result is not None
+        future.set_result(result)
+
+
 class PlacementBatcher:
     def __init__(self, committer: Committer, cluster: ClusterProjection, layout: KeyLayout, *,
                  max_inflight: int = 4, max_intents: int = 24) -> None:
@@ -70,6 +82,7 @@ class PlacementBatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         #: node id -> (allocation, mod revision) of this batcher's newest commit
         self._committed: dict[str, tuple[Allocation, int]] = {}
+        self._closed = False
         #: batches committed and intents per batch (for metrics and tests)
         self.batches = 0
         self.intents_committed = 0
@@ -93,13 +106,15 @@ class PlacementBatcher:
     def _take(self) -> list[Intent]:
         batch: list[Intent] = []
         nodes: set[str] = set()
+        workloads: set[str] = set()
         ops = 0
         kept: deque[Intent] = deque()
         while self._queue:
             intent = self._queue.popleft()
             if intent.future.done():
                 continue
-            if intent.node_id in self._busy:
+            if intent.node_id in self._busy or intent.workload_id in workloads:
+                # a duplicate id (a client retry) would put the same keys twice in one txn
                 kept.append(intent)
                 continue
             cost = INTENT_OPS + (0 if intent.node_id in nodes else NODE_OPS)
@@ -108,6 +123,7 @@ class PlacementBatcher:
                 continue
             batch.append(intent)
             nodes.add(intent.node_id)
+            workloads.add(intent.workload_id)
             ops += cost
         self._queue = kept
         self._busy |= nodes
@@ -116,8 +132,11 @@ class PlacementBatcher:
     def _base(self, node_id: str) -> tuple[Allocation, int]:
         item = self.cluster.allocations.get(node_id)
         mine = self._committed.get(node_id)
-        if mine is not None and (item is None or mine[1] > item.mod_revision):
+        # our own commit counts only while the projection has not reached it; afterwards the
+        # projection is the truth (the key may have been rewritten or deleted since)
+        if mine is not None and mine[1] > self.cluster.allocations.revision:
             return copy.deepcopy(mine[0]), mine[1]
+        self._committed.pop(node_id, None)
         if item is None:
             return Allocation(node_id=node_id), 0
         return copy.deepcopy(item.value), item.mod_revision
@@ -127,9 +146,11 @@ class PlacementBatcher:
         accepted: list[Intent] = []
         allocations: dict[str, tuple[Allocation, int]] = {}
         for intent in batch:
+            if intent.future.done():
+                continue  # the caller gave up (cancelled): do not commit on its behalf
             node_item = self.cluster.nodes.get(intent.node_id)
             if node_item is None:
-                intent.future.set_exception(Conflict("node vanished"))
+                _settle(intent.future, error=Conflict("node vanished"))
                 continue
             if intent.node_id not in allocations:
                 allocations[intent.node_id] = self._base(intent.node_id)
@@ -141,7 +162,7 @@ class PlacementBatcher:
             if (intent.cpu_m > 0 and trial.cpu_millicores > cpu_total) or (
                 intent.mem_mb > 0 and trial.memory_mb > node.total_memory
             ):
-                intent.future.set_exception(Conflict(f"{intent.node_id} filled up meanwhile"))
+                _settle(intent.future, error=Conflict(f"{intent.node_id} filled up meanwhile"))
                 continue
             allocations[intent.node_id] = (trial, allocations[intent.node_id][1])
             change.compares.extend(intent.compares)
@@ -163,6 +184,7 @@ class PlacementBatcher:
 
     async def _flush(self, batch: list[Intent]) -> None:
         nodes = {i.node_id for i in batch}
+        original = list(batch)
         try:
             for attempt in (1, 2):
                 change, accepted, final = self._build(batch)
@@ -172,9 +194,12 @@ class PlacementBatcher:
                     committed = await self.committer.commit(change)
                 except Conflict as exc:
                     batch = accepted
+                    for node_id in final:
+                        self._committed.pop(node_id, None)
                     if attempt == 2:
                         for intent in accepted:
-                            intent.future.set_exception(Conflict(str(exc), revision=exc.revision))
+                            _settle(intent.future,
+                                    error=Conflict(str(exc), revision=exc.revision))
                         return
                     if exc.revision:
                         await self.cluster.wait_for(exc.revision,
@@ -185,28 +210,31 @@ class PlacementBatcher:
                 self.batches += 1
                 self.intents_committed += len(accepted)
                 for intent in accepted:
-                    intent.future.set_result(committed.revision)
+                    _settle(intent.future, result=committed.revision)
                 return
         except (StoreError, ValueError) as exc:
-            for intent in batch:
-                if not intent.future.done():
-                    intent.future.set_exception(exc)
+            for intent in original:
+                _settle(intent.future, error=exc)
         finally:
+            # cancelled (shutdown) or failed in an unexpected way: nobody may wait forever
+            for intent in original:
+                _settle(intent.future, error=StoreError("placement not committed"))
             self._busy -= nodes
             self._inflight -= 1
             self._forget_stale()
-            self._pump()
+            if not self._closed:
+                self._pump()
 
     def _forget_stale(self) -> None:
         """Drop remembered commits the projection has caught up with (bounded memory)."""
         if len(self._committed) < 4096:
             return
         for node_id, (_, mod) in list(self._committed.items()):
-            item = self.cluster.allocations.get(node_id)
-            if item is not None and item.mod_revision >= mod:
+            if self.cluster.allocations.revision >= mod:
                 del self._committed[node_id]
 
     async def aclose(self) -> None:
+        self._closed = True
         for intent in self._queue:
             if not intent.future.done():
                 intent.future.set_exception(StoreError("scheduler shutting down"))

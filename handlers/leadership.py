@@ -188,6 +188,10 @@ class LeaderGate:
                 await self._lead(leadership, election, session)
             except (StoreError, LeaseLost) as exc:
                 log.warning("election %s: %s", self.prefix, exc)
+            except Exception:
+                # never let the campaign loop die: this replica must be able to lead again
+                log.exception("election %s: unexpected failure; campaigning again",
+                              self.prefix)
             finally:
                 await self._demote()
                 try:
@@ -218,6 +222,9 @@ class LeaderGate:
                 continue
         log.warning("leadership lost election_key=%s term=%d reason=%s", leadership.key,
                     leadership.term, session.lost_reason or "renew deadline passed")
+        # stop every leader-only task before anything else, resigning included
+        self._stop_jobs()
+        await self._cancel_group()
         try:
             async with asyncio.timeout(2.0):
                 await election.resign()

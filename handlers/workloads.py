@@ -540,6 +540,9 @@ class Relocator:
                 c.placer.release(workload_id)
                 await c._catch_up(exc)
                 raise
+            except BaseException:
+                c.placer.release(workload_id)
+                raise
             c.dispatcher.apply(spec, new_status.metadata, placed.node_id, spec.desired_state)
             c.dispatcher.forget_on(workload_id, from_node)
             return "moved"
