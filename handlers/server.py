@@ -72,12 +72,17 @@ class TaskOwner:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
 
-    async def stop(self, *names: str) -> None:
+    async def stop(self, *names: str, timeout: float = 10.0) -> None:
+        """Cancel and await the named tasks (all by default); never wait past ``timeout``."""
         targets = [self._tasks.pop(n) for n in (names or list(self._tasks)) if n in self._tasks]
         for task in targets:
             task.cancel()
-        if targets:
-            await asyncio.gather(*targets, return_exceptions=True)
+        if not targets:
+            return
+        _, pending = await asyncio.wait(targets, timeout=timeout)
+        for task in pending:
+            log.error("task %s did not stop within %.0fs; abandoning it: %s", task.get_name(),
+                      timeout, "".join(str(f) for f in task.get_stack(limit=8)))
 
 
 class Scheduler:
@@ -265,28 +270,41 @@ class Scheduler:
                                                    require_client_authentication=True)
 
     async def stop(self) -> None:
+        """The shutdown order of the module docstring; every step has a deadline."""
+
+        async def step(name: str, coro: Coroutine[Any, Any, Any], timeout: float = 10.0) -> None:
+            try:
+                await asyncio.wait_for(coro, timeout)
+            except TimeoutError:
+                log.warning("shutdown step %s did not finish within %.0fs; going on", name,
+                          timeout)
+
         if self.grpc_server is not None:
-            await self.health_servicer.enter_graceful_shutdown()
-            await self.grpc_server.stop(grace=2.0)
-            self.grpc_server = None
-        await self.leader.step_down()
+            await step("grpc", self._stop_grpc())
+        await step("step-down", self.leader.step_down())
         await self.tasks.stop("leader", "relay", "dns")
         if self.dns is not None:
-            await self.dns.deregister()
+            await step("dns", self.dns.deregister())
         if self.relay is not None and hasattr(self.relay, "aclose"):
-            await self.relay.aclose()
-        await self.batcher.aclose()
-        await self.dispatcher.aclose()
+            await step("relay", self.relay.aclose())
+        await step("batcher", self.batcher.aclose())
+        await step("dispatcher", self.dispatcher.aclose())
         await self.tasks.stop()
         if self.tailer is not None:
-            await self.tailer.aclose()
-        await self.agents.close()
+            await step("tailer", self.tailer.aclose())
+        await step("agents", self.agents.close())
         if self.redis is not None:
-            await self.redis.aclose()
+            await step("redis", self.redis.aclose())
         if self.servicer.buckets is not None:
-            await self.servicer.buckets.aclose()
-        await self.http.stop()
+            await step("buckets", self.servicer.buckets.aclose())
+        await step("http", self.http.stop())
         self.etcd.close()
+
+    async def _stop_grpc(self) -> None:
+        assert self.grpc_server is not None
+        await self.health_servicer.enter_graceful_shutdown()
+        await self.grpc_server.stop(grace=2.0)
+        self.grpc_server = None
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:

@@ -220,15 +220,16 @@ async def _observe(ctx: BenchContext, out: Outcome) -> None:
                     patience = max(patience, 2 * interval + 4 * max(replica.durations_s or [0]))
             if ended:
                 await agents.mark(ctx, replicas)
-        if not exported or all(r.base is None for r in replicas):
-            # nothing to wait for: still give the write-rate window a fair length
-            remaining = t0 + patience - loop.time()
+        if watch is not None:
+            if not exported or all(r.base is None for r in replicas):
+                # no cycle to wait for: still give the write-rate window a fair length
+                remaining = t0 + patience - loop.time()
+                if remaining > 0:
+                    await asyncio.sleep(remaining)
+            # every node should heartbeat at least once in the write-rate window
+            remaining = t0 + float(ctx.args.heartbeat_interval) - loop.time()
             if remaining > 0:
                 await asyncio.sleep(remaining)
-        # every node should heartbeat at least once in the write-rate window
-        remaining = t0 + float(ctx.args.heartbeat_interval) - loop.time()
-        if remaining > 0:
-            await asyncio.sleep(remaining)
     finally:
         cpu.stop()
         if watch is not None:
