@@ -6,7 +6,7 @@ every required storage driver is supported; CPU and memory fit, where
 ``free = total - allocated - in-flight reservations`` (ARCHITECTURE 7). The score is
 ``0.4 cpu_headroom + 0.4 mem_headroom + 0.2 spread + jitter`` with
 ``spread = 1 - count/max_count`` and a deterministic jitter in [0, 0.01) from
-FNV-1a(workload_id|node_id); a PreferNoSchedule taint lowers the score by 0.5.
+crc32(workload_id|node_id); a PreferNoSchedule taint lowers the score by 0.5.
 
 Speed: like kube-scheduler's ``percentageOfNodesToScore``, a decision does not score every node
 of a large fleet. Nodes are visited in a rotation that starts at a point derived from the
@@ -20,6 +20,7 @@ The commit-time check on ``/allocations/<node>`` is what makes concurrent decisi
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -49,16 +50,14 @@ def canonical_driver(driver: str) -> str:
     return d or "local"
 
 
-def fnv1a32(text: str) -> int:
-    h = 0x811C9DC5
-    for byte in text.encode():
-        h ^= byte
-        h = (h * 0x01000193) & 0xFFFFFFFF
-    return h
+def stable_hash(text: str) -> int:
+    """A deterministic 32-bit hash (crc32: C speed; the Go version used FNV-1a, and only
+    determinism matters here)."""
+    return zlib.crc32(text.encode())
 
 
 def jitter(workload_id: str, node_id: str) -> float:
-    return (fnv1a32(f"{workload_id}|{node_id}") % 1000) / 1000 * JITTER_SCALE
+    return (stable_hash(f"{workload_id}|{node_id}") % 1000) / 1000 * JITTER_SCALE
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +206,7 @@ def place(
     n = len(nodes)
     if n == 0:
         return PlacementDecision(None)
-    start = fnv1a32(req.workload_id) % n
+    start = stable_hash(req.workload_id) % n
     feasible: list[ScoredNode] = []
     rejected: dict[str, str] = {}
     visited = 0
