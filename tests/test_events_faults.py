@@ -77,7 +77,8 @@ async def test_relay_holder_killed_ten_times_loses_and_duplicates_nothing(
                     await asyncio.to_thread(holders[0].kill)
                     kills += 1
                     await asyncio.to_thread(replicas.add(f"relay-again-{kills}").start)
-                    await wait_for(lambda n=len(written): len(written) > n + 5, timeout=20,
+                    mark = len(written)
+                    await wait_for(lambda mark=mark: len(written) > mark + 5, timeout=20,
                                    message="load continues")
             finally:
                 stop.set()
@@ -91,7 +92,8 @@ async def test_relay_holder_killed_ten_times_loses_and_duplicates_nothing(
             values = [e.details["value"] for e in seen]
             assert values == written, "lost, duplicated or reordered events"
             ids = [tuple(int(p) for p in e.id.split("-")) for e in seen]
-            assert ids == sorted(ids) and len(set(ids)) == len(ids)
+            assert ids == sorted(ids)
+            assert len(set(ids)) == len(ids)
             print(f"relay killed {kills} times during {len(written)} state changes: "
                   f"all {len(seen)} events exactly once, in order")
     finally:

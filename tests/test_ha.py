@@ -60,7 +60,7 @@ def test_kill_leader_standby_reconciles_within_ttl_plus_one(
             killed_at = time.monotonic()
             leader.kill()
 
-            def new_leader_reconciled() -> Replica | None:
+            def new_leader_reconciled(standbys=standbys, before=before) -> Replica | None:
                 for r in standbys:
                     if r.is_leader() and _cycles(r) > before[r.name]:
                         return r

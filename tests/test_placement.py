@@ -38,7 +38,8 @@ def test_filters_table():
     ]
     for candidate, why in cases:
         got = refusal(REQ, candidate, alive={"a"}, allocated={}, reserved={})
-        assert got is not None and why in got, (candidate, got)
+        assert got is not None, candidate
+        assert why in got, (candidate, got)
     assert refusal(REQ, node("a"), alive=set(), allocated={}, reserved={}) == (
         "liveness lease expired")
     assert "label" in (refusal(PlacementRequest("w", "container", 1, 1, selector={"zone": "b"}),

@@ -28,43 +28,54 @@ async def test_two_replicas_64_callers_fill_exactly_to_capacity(
     s1 = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
     s2 = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r2")
     behaviour = NodeBehaviour(cpu_millicores=2000, memory_mb=8192, apply_latency_s=0.05)
-    async with running_scheduler(s1) as a, running_scheduler(s2) as b:
-        async with running_fleet(f"127.0.0.1:{a.grpc_port}", NODES, behaviour=behaviour) as fleet, \
-                control_stub(f"127.0.0.1:{a.grpc_port}") as stub_a, \
-                control_stub(f"127.0.0.1:{b.grpc_port}") as stub_b:
-            await fleet.wait_registered()
-            await wait_for(lambda: len(b.cluster.alive.items) == NODES
-                           and len(a.cluster.alive.items) == NODES, timeout=15,
-                           message="both replicas see every node alive")
-            queue: asyncio.Queue[int] = asyncio.Queue()
-            for i in range(WORKLOADS):
-                queue.put_nowait(i)
-            answers: dict[str, pb.ApplyWorkloadResponse] = {}
+    async with (
+        running_scheduler(s1) as a,
+        running_scheduler(s2) as b,
+        running_fleet(f"127.0.0.1:{a.grpc_port}", NODES, behaviour=behaviour) as fleet,
+        control_stub(f"127.0.0.1:{a.grpc_port}") as stub_a,
+        control_stub(f"127.0.0.1:{b.grpc_port}") as stub_b,
+    ):
+        await fleet.wait_registered()
+        await wait_for(
+            lambda: len(b.cluster.alive.items) == NODES and len(a.cluster.alive.items) == NODES,
+            timeout=15,
+            message="both replicas see every node alive",
+        )
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(WORKLOADS):
+            queue.put_nowait(i)
+        answers: dict[str, pb.ApplyWorkloadResponse] = {}
 
-            async def caller(n: int) -> None:
-                stub = stub_a if n % 2 else stub_b
-                while not queue.empty():
-                    i = queue.get_nowait()
-                    wid = f"fill-{i:03d}"
-                    answers[wid] = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                        workload_id=wid, spec=container_spec(cpu_m=500, mem_mb=256)))
+        async def caller(n: int) -> None:
+            stub = stub_a if n % 2 else stub_b
+            while not queue.empty():
+                i = queue.get_nowait()
+                wid = f"fill-{i:03d}"
+                answers[wid] = await stub.ApplyWorkload(
+                    pb.ApplyWorkloadRequest(
+                        workload_id=wid, spec=container_spec(cpu_m=500, mem_mb=256)
+                    )
+                )
 
-            started = asyncio.get_running_loop().time()
-            await asyncio.gather(*(caller(n) for n in range(CALLERS)))
-            print("apply phase", asyncio.get_running_loop().time() - started)
-            ok = [w for w, r in answers.items() if r.success]
-            refused = {w: r for w, r in answers.items() if not r.success}
-            assert len(answers) == WORKLOADS
-            assert len(ok) == NODES * PER_NODE, {w: r.error_message for w, r in refused.items()}
-            for wid, resp in refused.items():
-                assert resp.failure_reason == pb.INSUFFICIENT_RESOURCES, wid
-                assert "insufficient cpu" in resp.error_message, resp.error_message
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(*(caller(n) for n in range(CALLERS)))
+        print("apply phase", asyncio.get_running_loop().time() - started)
+        ok = [w for w, r in answers.items() if r.success]
+        refused = {w: r for w, r in answers.items() if not r.success}
+        assert len(answers) == WORKLOADS
+        assert len(ok) == NODES * PER_NODE, {w: r.error_message for w, r in refused.items()}
+        for wid, resp in refused.items():
+            assert resp.failure_reason == pb.INSUFFICIENT_RESOURCES, wid
+            assert "insufficient cpu" in resp.error_message, resp.error_message
 
-            revision = await a.etcd.current_revision()
-            rebuilt = await rebuild_cluster(a.etcd, a.layout, revision)
-            assert check_invariants(rebuilt) == []
-            for node_id, alloc in rebuilt.allocations.items.items():
-                assert alloc.value.cpu_millicores == 2000, node_id
-            await wait_for(lambda: fleet.stats()["workloads_held"] == NODES * PER_NODE,
-                           timeout=20, message="every placed workload reached its agent")
-            assert fleet.stats()["over_capacity_nodes"] == 0
+        revision = await a.etcd.current_revision()
+        rebuilt = await rebuild_cluster(a.etcd, a.layout, revision)
+        assert check_invariants(rebuilt) == []
+        for node_id, alloc in rebuilt.allocations.items.items():
+            assert alloc.value.cpu_millicores == 2000, node_id
+        await wait_for(
+            lambda: fleet.stats()["workloads_held"] == NODES * PER_NODE,
+            timeout=20,
+            message="every placed workload reached its agent",
+        )
+        assert fleet.stats()["over_capacity_nodes"] == 0
