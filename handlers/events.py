@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
@@ -34,6 +33,7 @@ from eventsource.stream import (
     id_key,
 )
 from handlers.convert import event_view
+from projections.event_views import ViewFilter as EventFilter
 from proto.persys.control.v1 import control_pb2
 
 log = logging.getLogger("persys.events")
@@ -44,22 +44,6 @@ WATCH_REPLAY = 100
 PAGE = 500
 #: how far back a filtered ListEvents may scan before it settles for fewer matches
 MAX_SCAN = 200_000
-
-
-@dataclass(frozen=True, slots=True)
-class EventFilter:
-    type: str = ""
-    workload_id: str = ""
-    node_id: str = ""
-
-    def matches(self, entry: StreamEntry) -> bool:
-        if entry.type == "EventsGap":
-            return True
-        if self.type and entry.type.lower() != self.type.lower():
-            return False
-        if self.workload_id and entry.workload_id != self.workload_id:
-            return False
-        return not (self.node_id and entry.node_id != self.node_id)
 
 
 def gap_view(cursor: str, first: StreamEntry) -> control_pb2.SchedulerEventView | None:
