@@ -13,6 +13,7 @@ deadline. A leader checks its renew deadline right before each call (``guard``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -105,8 +106,8 @@ class AgentPool:
         self.leader_term = leader_term
         self.guard = guard
         self._entries: dict[str, _Entry] = {}
-        #: channels replaced or dropped, closed at shutdown (close() is a coroutine)
-        self._closing: list[grpc.aio.Channel] = []
+        #: closes of channels replaced or dropped (close() is a coroutine)
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _channel(self, node_id: str, endpoint: str) -> _Entry:
         entry = self._entries.get(node_id)
@@ -129,8 +130,10 @@ class AgentPool:
     def _drop(self, node_id: str) -> None:
         entry = self._entries.pop(node_id, None)
         if entry is not None:
-            # closing is async; the channel is unreferenced and grpc tears it down
-            self._closing.append(entry.channel)
+            # close it now in an owned task: a flapping node must not pile up channels
+            task = asyncio.get_running_loop().create_task(entry.channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def forget(self, node_id: str) -> None:
         entry = self._entries.pop(node_id, None)
@@ -211,11 +214,10 @@ class AgentPool:
 
     async def close(self) -> None:
         entries, self._entries = self._entries, {}
-        closing, self._closing = list(self._closing), []
         for entry in entries.values():
             await entry.channel.close()
-        for channel in closing:
-            await channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 def require_leader_deadline(ok: Callable[[], bool]) -> Callable[[], None]:

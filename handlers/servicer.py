@@ -9,7 +9,6 @@ the scheduler is degraded. RPCs that a later feature implements answer UNIMPLEME
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -84,19 +83,6 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         if not self.mode.writable:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"scheduler {self.mode.mode}: {self.mode.reason}")
-
-    async def _timed(self, method: str, body: Callable[[], Awaitable[Any]]) -> Any:
-        started = time.perf_counter()
-        code = "OK"
-        try:
-            return await body()
-        except Exception:
-            code = "UNKNOWN"
-            raise
-        finally:
-            self.metrics.grpc_requests.labels(method, code).inc()
-            self.metrics.grpc_duration.labels(method, code).observe(
-                time.perf_counter() - started)
 
     # -- registration and heartbeat (in-band errors) ----------------------------------------
     async def RegisterNode(self, request: control_pb2.RegisterNodeRequest,
@@ -353,7 +339,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         await self._require_ready(context)
         if not request.node_id.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id: required")
-        if self.cluster.nodes.get(request.node_id.strip()) is None:
+        if await self.cluster.nodes.get_fresh(request.node_id.strip()) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.node_id!r} not found")
         return control_pb2.GetNodeResponse(node=self._node_view(request.node_id.strip()))
 
@@ -386,7 +372,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         wid = request.workload_id.strip()
         if not wid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "workload_id: required")
-        spec = self.cluster.specs.get(wid)
+        spec = await self.cluster.specs.get_fresh(wid)
         if spec is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"workload {wid!r} not found")
         assert spec is not None

@@ -81,14 +81,7 @@ class StateWriter:
         fenced: bool = False,
     ) -> tuple[R, Committed | None]:
         async def attempt(n: int) -> tuple[R, Committed | None]:
-            item = projection.get(item_id)
-            if item is None:
-                # a record written a moment ago (another RPC, another replica) may not be in
-                # the projection yet: catch up with etcd once before answering "not found"
-                revision = await self.committer.etcd.current_revision()
-                with contextlib.suppress(StoreError):
-                    await projection.wait_for_revision(revision, timeout=3.0)
-                item = projection.get(item_id)
+            item = await projection.get_fresh(item_id)
             if item is None:
                 raise NotFound(item_id)
             record = copy.deepcopy(item.value)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
@@ -411,9 +410,6 @@ class WorkloadCommands:
             self.dispatcher.apply(spec_item.value, status.metadata, status.node_id,
                                   spec_item.value.desired_state)
         return Outcome(True, node_id=status.node_id)
-
-    def now(self) -> datetime:
-        return self.clock.now()
 
 
 def delete_workload_change(

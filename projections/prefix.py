@@ -80,6 +80,22 @@ class PrefixProjection(Generic[R]):
     def get(self, item_id: str) -> Item[R] | None:
         return self.items.get(item_id)
 
+    async def get_fresh(self, item_id: str, timeout: float = 3.0) -> Item[R] | None:
+        """``get``, but a miss is checked against etcd's current revision first.
+
+        A record written a moment ago (by another RPC or another replica) may not have reached
+        this projection yet; "not found" is only answered once the projection has caught up.
+        """
+        item = self.items.get(item_id)
+        if item is not None:
+            return item
+        revision = await self.etcd.current_revision()
+        try:
+            await self.wait_for_revision(revision, timeout)
+        except Unavailable:
+            pass
+        return self.items.get(item_id)
+
     def values(self) -> list[R]:
         return [item.value for item in self.items.values()]
 
