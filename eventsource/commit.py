@@ -18,13 +18,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from eventsource.errors import Conflict
-from eventsource.etcd import AsyncEtcd, Compare, Delete, Put
+from eventsource.etcd import MAX_TXN_OPS, AsyncEtcd, Compare, Delete, Put
 from eventsource.events import Event
+from eventsource.group import GroupCommit, Pending
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
-
-#: etcd's default --max-txn-ops
-MAX_TXN_OPS = 128
 
 
 @dataclass(slots=True)
@@ -69,6 +67,7 @@ class Committer:
         self.metrics = metrics
         self.outbox_enabled = outbox_enabled
         self._fence = fence
+        self._group = GroupCommit(etcd, layout, metrics)
 
     def set_fence(self, fence: Callable[[], list[Compare]] | None) -> None:
         self._fence = fence
@@ -84,30 +83,32 @@ class Committer:
             if self._fence is None:
                 raise Conflict("leader fence requested without leadership")
             compares.extend(self._fence())
-        ops: list[Put | Delete] = list(change.puts)
-        if self.outbox_enabled:
-            for seq, event in enumerate(change.events):
-                ops.append(
-                    Put(
-                        self.layout.outbox(event.event_id),
-                        event.outbox_record(seq=seq),
-                        category="outbox",
-                    )
-                )
-        ops.extend(change.deletes)
-        if not ops:
+        events = change.events if self.outbox_enabled else []
+        if not (change.puts or change.deletes or events):
             return Committed(revision=0)
-        if len(ops) > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
+        ops = len(change.puts) + len(change.deletes) + len(events)
+        if ops > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
             # etcd's --max-txn-ops bounds each list of a transaction separately
-            raise ValueError(f"transaction too large: {len(ops)} ops, {len(compares)} compares")
-        result = await self.etcd.txn(compares, ops)
-        if not result.succeeded:
+            raise ValueError(f"transaction too large: {ops} ops, {len(compares)} compares")
+        pending = Pending(kind=change.kind, compares=compares, puts=list(change.puts),
+                          deletes=list(change.deletes), events=list(events),
+                          outbox=self.outbox_enabled)
+        succeeded, revision = await self._group.submit(pending)
+        if not succeeded:
             self.metrics.etcd_txns.labels(change.kind, "conflict").inc()
-            raise Conflict(f"{change.kind}: a compared key changed", revision=result.revision)
+            raise Conflict(f"{change.kind}: a compared key changed", revision=revision)
         self.metrics.etcd_txns.labels(change.kind, "committed").inc()
-        for op in ops:
-            self.metrics.etcd_writes.labels(op.category).inc()
-        return Committed(revision=result.revision)
+        for put in change.puts:
+            self.metrics.etcd_writes.labels(put.category).inc()
+        for delete in change.deletes:
+            self.metrics.etcd_writes.labels(delete.category).inc()
+        if events:
+            self.metrics.etcd_writes.labels("outbox").inc(len(events))
+        return Committed(revision=revision)
+
+    async def aclose(self) -> None:
+        """Fail what is still queued and stop the transactions in flight."""
+        await self._group.aclose()
 
 
 T = TypeVar("T")
@@ -126,13 +127,16 @@ async def retry_on_conflict(
     Each attempt must re-read and re-decide. The delay is full jitter over an exponential cap.
     The last ``Conflict`` propagates.
     """
-    rand = rng or random.Random()
+    rand = rng
     for n in range(attempts):
         try:
             return await attempt(n)
         except Conflict:
             if n == attempts - 1:
                 raise
+            if rand is None:
+                # seeded only when needed: seeding from the OS costs more than most attempts
+                rand = random.Random()
             cap = min(max_delay, base_delay * (2**n))
             await asyncio.sleep(rand.uniform(0, cap))
     raise AssertionError("unreachable")

@@ -1,6 +1,6 @@
 """An asyncio facade over etcd's JSON gateway, via etcd3gw.
 
-Why it exists: etcd3gw is blocking (``requests``), and its helpers hide failures. Every call here
+Why it exists: etcd3gw is blocking, and its helpers hide failures. Every call here
 runs on one bounded, named thread pool, has a timeout both in ``requests`` (so the thread ends) and
 in asyncio, and fails over to the next endpoint of ``ETCD_ENDPOINTS`` on a transport error.
 Errors are translated once into ``eventsource.errors``. The gateway's JSON quirks (int64 as
@@ -21,10 +21,10 @@ from typing import Any
 import requests
 from etcd3gw import exceptions as etcd_exc
 from etcd3gw.client import Etcd3Client
-from requests.adapters import HTTPAdapter
 
 from eventsource.errors import Compacted, LeaseLost, Unavailable
 from eventsource.keys import prefix_end
+from eventsource.lean_http import LeanSession
 
 log = logging.getLogger("persys.etcd")
 
@@ -70,6 +70,10 @@ class RangeResult:
 
 
 # -- transaction building blocks ------------------------------------------------------------
+
+#: etcd's default --max-txn-ops. It bounds each list of a transaction; a nested transaction
+#: gets what its parent's longest list leaves (etcd's checkTxnRequest)
+MAX_TXN_OPS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,19 +216,14 @@ class AsyncEtcd:
         client = clients.get(index)
         if client is None:
             protocol, host, port = parse_endpoint(self.endpoints[index])
-            session = requests.Session()
-            # no proxy or netrc lookups per request: etcd is addressed directly
-            session.trust_env = False
-            adapter = HTTPAdapter(pool_connections=2, pool_maxsize=2)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
             client = Etcd3Client(
                 host=host,
                 port=port,
                 protocol=protocol,
                 timeout=self.timeout,
                 api_path="/v3/",
-                session=session,
+                # one keep-alive connection without requests' per-call machinery (lean_http)
+                session=LeanSession(protocol, host, port),  # type: ignore[arg-type]
             )
             clients[index] = client
         return client
@@ -345,6 +344,27 @@ class AsyncEtcd:
             revision=int(result.get("header", {}).get("revision", 0)),
             responses=list(result.get("responses", [])),
         )
+
+    async def txn_group(
+        self, subs: Sequence[tuple[Sequence[Compare], Sequence[Op]]]
+    ) -> tuple[int, list[bool]]:
+        """Several independent transactions in one request: an outer transaction without
+        compares whose success branch holds one nested transaction per entry of ``subs``.
+        Returns the revision and, per entry, whether its compares held (and its ops applied)."""
+        body = {
+            "compare": [],
+            "success": [
+                {"request_txn": {"compare": [c.to_json() for c in compares],
+                                 "success": [op.to_json() for op in ops]}}
+                for compares, ops in subs
+            ],
+        }
+        result = await self.post("/kv/txn", body)
+        responses = list(result.get("responses", []))
+        if len(responses) != len(subs):
+            raise Unavailable(f"etcd /kv/txn: {len(responses)} answers for {len(subs)} changes")
+        outcomes = [bool(r.get("response_txn", {}).get("succeeded", False)) for r in responses]
+        return int(result.get("header", {}).get("revision", 0)), outcomes
 
     async def current_revision(self) -> int:
         result = await self.post("/kv/range", {"key": b64("\0"), "count_only": True})

@@ -11,6 +11,7 @@ the Go version's JSON (``id, type, workloadId, nodeId, reason, timestamp, detail
 from __future__ import annotations
 
 import json
+import random
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,6 +73,16 @@ def parse_rfc3339(text: str) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
+def new_event_id() -> str:
+    """A random (version 4) UUID for an event.
+
+    ``uuid.uuid4`` asks the OS for 16 bytes on every call; ids only have to be unique, and the
+    Mersenne Twister (seeded from the OS at start, and again in a forked child) is several
+    times cheaper on the hot path of every committed change.
+    """
+    return str(uuid.UUID(int=random.getrandbits(128), version=4))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Event:
     """One domain event, before it has a revision."""
@@ -81,7 +92,7 @@ class Event:
     node_id: str = ""
     reason: str = ""
     details: Mapping[str, str] = field(default_factory=dict)
-    event_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    event_id: str = field(default_factory=lambda: new_event_id())
     timestamp: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     def __post_init__(self) -> None:

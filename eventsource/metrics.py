@@ -20,6 +20,11 @@ class Metrics:
             "etcd_txns", "etcd transactions by kind and result", ["kind", "result"],
             namespace=ns, subsystem=sub, registry=r,
         )
+        self.etcd_txn_requests = Counter(
+            "etcd_txn_requests",
+            "etcd transaction requests sent (shape=group carries several changes, each counted "
+            "in etcd_txns)", ["shape"], namespace=ns, subsystem=sub, registry=r,
+        )
         self.etcd_writes = Counter(
             "etcd_writes", "etcd keys written by category", ["category"],
             namespace=ns, subsystem=sub, registry=r,

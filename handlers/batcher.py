@@ -26,9 +26,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from eventsource.commit import MAX_TXN_OPS, Change, Committer
+from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, StoreError
-from eventsource.etcd import Compare, Put
+from eventsource.etcd import MAX_TXN_OPS, Compare, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.records import Allocation, encode

@@ -160,7 +160,7 @@ class EventService:
         cursor = await self._cursor(req.after_id, context)
         last_sent = cursor or ""
         try:
-            sub: Subscription = await self.tailer.subscribe(cursor)
+            sub: Subscription = await self.tailer.subscribe(cursor, accept=flt.matches)
         except (RedisUnavailable, StreamError, RuntimeError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"event stream unavailable: {exc}")
             return
@@ -188,10 +188,9 @@ class EventService:
                 last_sent = entry.stream_id
                 yield event_view(entry)
             while True:
-                entry = await sub.get()
+                entry = await sub.get()  # the subscription applies the filter
                 last_sent = entry.stream_id
-                if flt.matches(entry):
-                    yield event_view(entry)
+                yield event_view(entry)
         except SubscriptionOverflow:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"watcher fell behind; resume with after_id={last_sent}")

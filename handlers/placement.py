@@ -199,7 +199,7 @@ def place(
     reserved: Mapping[str, tuple[int, int]],
     counts: Mapping[str, int],
     max_count: int,
-    sample: int = 100,
+    sample: int = 32,
     top_k: int = 3,
 ) -> PlacementDecision:
     """Choose a node for ``req``; see the module docstring for the rules."""

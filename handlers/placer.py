@@ -108,7 +108,7 @@ class Placer:
         metrics: Metrics,
         *,
         reservation_ttl: float,
-        sample: int = 100,
+        sample: int = 32,
     ) -> None:
         self.cluster = cluster
         self.clock = clock
@@ -132,8 +132,9 @@ class Placer:
             req,
             self.nodes.as_list(),
             alive=self.cluster.alive.items,
-            allocated=self.allocated,
-            reserved=self.reservations,
+            # the plain dicts: Mapping.get on a wrapper costs an exception per miss
+            allocated=self.allocated.sums,
+            reserved=self.reservations.by_node,
             counts=self.cluster.workloads.counts,
             max_count=self.cluster.workloads.max_count,
             sample=self.sample,

@@ -54,6 +54,11 @@ class Reservations(Mapping[str, tuple[int, int]]):
             if hold.expires_at <= now or self._confirmed(hold.node_id, workload_id):
                 self.release(workload_id)
 
+    @property
+    def by_node(self) -> Mapping[str, tuple[int, int]]:
+        """node id -> held (cpu, mem); a read-only view for placement's hot loop."""
+        return self._sums
+
     def holds(self) -> dict[str, Hold]:
         return dict(self._holds)
 

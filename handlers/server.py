@@ -298,6 +298,7 @@ class Scheduler:
         if self.servicer.buckets is not None:
             await step("buckets", self.servicer.buckets.aclose())
         await step("http", self.http.stop())
+        await step("committer", self.committer.aclose())
         self.etcd.close()
 
     async def _stop_grpc(self) -> None:

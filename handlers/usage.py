@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from eventsource.events import new_event_id
 
 log = logging.getLogger("persys.usage")
 
@@ -55,7 +56,7 @@ class UsageSink:
                     key = f"{self.key_prefix}{workload_id}"
                     pipe.set(key, json.dumps(usage, separators=(",", ":")), ex=self.ttl_s)
                     if self.meter_enabled:
-                        event_id = str(uuid.uuid4())
+                        event_id = new_event_id()
                         payload = {"event_id": event_id, "node_id": node_id,
                                    "workload_id": workload_id,
                                    "revision_id": revisions.get(workload_id, ""),

@@ -40,6 +40,7 @@ from ops.sim import Fleet, NodeBehaviour
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import container_spec, control_stub, make_settings, running_fleet
+from tests.fixtures.metrics import counter_total
 from tests.fixtures.waiting import wait_for
 
 #: one automatic cycle (on gaining leadership), no automatic drift, and a leader lease long
@@ -47,16 +48,6 @@ from tests.fixtures.waiting import wait_for
 #: cycle at once and interleave with the cycles the test drives)
 QUIET = {"reconcile_interval_s": 3600.0, "drift_detect_interval_s": 0.0,
          "leader_lease_ttl_s": 10, "leader_renew_deadline_s": 7.0}
-
-
-def counter_total(counter: Any, **labels: str) -> float:
-    total = 0.0
-    for metric in counter.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total") and all(
-                    sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def by_label(counter: Any, label: str) -> dict[str, float]:
