@@ -398,7 +398,8 @@ class WorkloadCommands:
             if status.status in ("Failed", "RetryPending"):
                 status.status = "Pending"
             return [Event(type="RetryTriggered", workload_id=workload_id, node_id=status.node_id,
-                          reason="retry requested", details={"attempts": "0"},
+                          reason="retry requested",
+                          details={"attempts": "0", "next_retry_at": now},
                           timestamp=self.clock.now())]
 
         try:
