@@ -253,9 +253,11 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
     if not node_observed:
         return act(UNOBSERVED, "its node's workload list is unknown this cycle")
     # 6. observed vs desired
-    reapply_state = ReapplyState.read(status.metadata)
 
     def guarded(kind: str, reason: str) -> Action:
+        # read (and its timestamps parsed) only when a corrective apply is considered: the
+        # steady state of every running workload never needs it
+        reapply_state = ReapplyState.read(status.metadata)
         verdict = reapply_guard(reapply_state, revision_id=spec.revision_id,
                                 workload_type=spec.type, now=now, policy=policy,
                                 dispatched_at=dispatched_at(status))

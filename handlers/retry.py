@@ -50,6 +50,8 @@ FAILURE_OBSERVED_AT = "failureObservedAt"
 FAILURE_GRACE_UNTIL = "failureGraceUntil"
 FAILURE_COUNTED_FOR = "failureCountedFor"
 GRACE_KEYS = (FAILURE_OBSERVED_AT, FAILURE_GRACE_UNTIL, FAILURE_COUNTED_FOR)
+#: every bookkeeping key a success clears, as a set for one C-level disjointness check
+_SUCCESS_CLEARS = frozenset((*GRACE_KEYS, REAPPLY_ATTEMPTS, REAPPLY_NEXT_AT))
 
 RETRY_PENDING = "RetryPending"
 FAILED = "Failed"
@@ -338,10 +340,8 @@ def exhausted(status: WorkloadStatus, policy: RetryPolicy) -> bool:
 
 def needs_success_reset(status: WorkloadStatus) -> bool:
     """Is there failure or re-apply bookkeeping that a success must clear (bug I15)?"""
-    meta = status.metadata
     return (status.retry.attempts > 0 or bool(status.retry.next_retry_at)
-            or any(k in meta for k in GRACE_KEYS)
-            or REAPPLY_ATTEMPTS in meta or REAPPLY_NEXT_AT in meta)
+            or not _SUCCESS_CLEARS.isdisjoint(status.metadata))
 
 
 def apply_success(status: WorkloadStatus, *, actual: str, now: datetime) -> bool:

@@ -22,6 +22,25 @@ from eventsource.events import new_event_id
 
 log = logging.getLogger("persys.usage")
 
+#: KEYS: the usage key of each workload, then the meter stream. ARGV: ttl, maxlen, meter on
+#: (1/0), node id, then per workload: usage JSON, event id, workload id, revision, reported at,
+#: meter payload. Entries have the Go version's fields.
+RECORD_SCRIPT = """
+local n = #KEYS - 1
+local meter = ARGV[3] == '1'
+local a = 5
+for i = 1, n do
+  redis.call('SET', KEYS[i], ARGV[a], 'EX', ARGV[1])
+  if meter then
+    redis.call('XADD', KEYS[n + 1], 'MAXLEN', '~', ARGV[2], '*',
+      'event_id', ARGV[a + 1], 'node_id', ARGV[4], 'workload_id', ARGV[a + 2],
+      'revision_id', ARGV[a + 3], 'reported_at', ARGV[a + 4], 'payload', ARGV[a + 5])
+  end
+  a = a + 6
+end
+return n
+"""
+
 
 class UsageSink:
     def __init__(
@@ -42,33 +61,36 @@ class UsageSink:
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.timeout = timeout
+        # one script call per heartbeat instead of two commands per workload: packing and
+        # parsing dozens of commands per heartbeat was a quarter of a busy scheduler's loop
+        self._script = client.register_script(RECORD_SCRIPT) if client is not None else None
 
     async def record(
         self, node_id: str, snapshots: Mapping[str, dict[str, Any]],
         revisions: Mapping[str, str], reported_at: str,
     ) -> None:
-        if self.client is None or not snapshots:
+        if self._script is None or not snapshots:
             return
+        keys: list[str] = []
+        args: list[str | int] = [self.ttl_s, self.meter_maxlen, 1 if self.meter_enabled else 0,
+                                 node_id]
+        for workload_id, usage in snapshots.items():
+            keys.append(f"{self.key_prefix}{workload_id}")
+            revision = revisions.get(workload_id, "")
+            stamp = str(usage.get("collectedAt") or reported_at)
+            event_id = new_event_id()
+            payload = ""
+            if self.meter_enabled:
+                payload = json.dumps({"event_id": event_id, "node_id": node_id,
+                                      "workload_id": workload_id, "revision_id": revision,
+                                      "reported_at": stamp, "usage": usage},
+                                     separators=(",", ":"))
+            args += [json.dumps(usage, separators=(",", ":")), event_id, workload_id, revision,
+                     stamp, payload]
+        keys.append(self.meter_stream)
         try:
             async with asyncio.timeout(self.timeout):
-                pipe = self.client.pipeline(transaction=False)
-                for workload_id, usage in snapshots.items():
-                    key = f"{self.key_prefix}{workload_id}"
-                    pipe.set(key, json.dumps(usage, separators=(",", ":")), ex=self.ttl_s)
-                    if self.meter_enabled:
-                        event_id = new_event_id()
-                        payload = {"event_id": event_id, "node_id": node_id,
-                                   "workload_id": workload_id,
-                                   "revision_id": revisions.get(workload_id, ""),
-                                   "reported_at": usage.get("collectedAt") or reported_at,
-                                   "usage": usage}
-                        pipe.xadd(self.meter_stream, {
-                            "event_id": event_id, "node_id": node_id, "workload_id": workload_id,
-                            "revision_id": revisions.get(workload_id, ""),
-                            "reported_at": str(payload["reported_at"]),
-                            "payload": json.dumps(payload, separators=(",", ":")),
-                        }, maxlen=self.meter_maxlen, approximate=True)
-                await pipe.execute()
+                await self._script(keys=keys, args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("usage telemetry dropped node_id=%s: %s", node_id, exc)
 

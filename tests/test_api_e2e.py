@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
+import redis.asyncio as aioredis
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from eventsource.etcd import AsyncEtcd
@@ -156,3 +159,38 @@ async def test_events_without_redis_fail_precondition(etcd_server, key_root, str
             await stub.ListEvents(pb.ListEventsRequest())
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "REDIS_ADDR" in err.value.details()
+
+
+async def test_heartbeat_usage_reaches_redis_in_the_go_format(
+        etcd_server, redis_server, key_root, stream_key):
+    """Usage from heartbeats: the per-workload key (TTL) and one meter entry per snapshot."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    workload_id = f"usage-{key_root.rsplit('/', 1)[-1]}"
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    async with running_scheduler(settings) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: _ready_nodes(stub, 1), message="a Ready node", timeout=10)
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id=workload_id, spec=container_spec()))
+            assert resp.success, resp.error_message
+            key = f"persys:scheduler:usage:{workload_id}"
+            raw = await wait_for(lambda: client.get(key), message="usage key", timeout=10)
+            usage = json.loads(raw)
+            assert usage["workloadId"] == workload_id
+            assert 0 < await client.ttl(key) <= 600
+
+            async def meter_entries():
+                entries = await client.xrange(settings.meter_stream)
+                return [f for _, f in entries if f.get("workload_id") == workload_id] or None
+
+            fields = (await wait_for(meter_entries, message="meter entry", timeout=10))[0]
+            assert set(fields) == {"event_id", "node_id", "workload_id", "revision_id",
+                                   "reported_at", "payload"}
+            assert fields["node_id"] == fleet.nodes[0].node_id
+            payload = json.loads(fields["payload"])
+            assert payload["event_id"] == fields["event_id"]
+            assert payload["usage"]["workloadId"] == workload_id
+            assert payload["revision_id"] == fields["revision_id"] != ""
+    await client.aclose()
