@@ -2,8 +2,9 @@
 
 Liveness without a write per heartbeat: each node has an etcd lease attached to
 ``/persys/scheduler/alive/<node>``. A heartbeat, on whichever replica receives it, renews that
-lease (a keepalive is not a Raft write); when it expires etcd deletes the key and the leader's
-node monitor sees the delete. The node record is rewritten only when something in it changes
+lease (a keepalive is not a Raft write; about every other heartbeat, see ``handlers.liveness``);
+when it expires etcd deletes the key and the leader's node monitor sees the delete. The node
+record is rewritten only when something in it changes
 (registration data, a NotReady -> Ready transition, an operator action). Workload states reported
 in heartbeats are written only when they differ from the stored status, and only for workloads
 assigned to the reporting node: one node's agent cannot change another node's workloads.
@@ -28,6 +29,7 @@ from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, Resources, Taint, WorkloadStatus, encode
 from handlers.config import Settings
+from handlers.liveness import RenewalLog, lease_ttl
 from handlers.modes import ModeState
 from handlers.placement import canonical_driver, canonical_type
 from handlers.specs import InvalidSpec, validate_id
@@ -124,6 +126,7 @@ class NodeCommands:
         self.layout = layout
         self.settings = settings
         self.metrics = metrics
+        self.renewals = RenewalLog(settings.heartbeat_interval_s)
 
     # -- RegisterNode -----------------------------------------------------------------------
     async def register(self, req: control_pb2.RegisterNodeRequest) -> RegisterOutcome:
@@ -233,12 +236,20 @@ class NodeCommands:
             if kv is not None:
                 lease, mod = kv.lease, kv.mod_revision
         if lease:
+            now = self.clock.monotonic()
+            if not self.renewals.due(node_id, lease, now):
+                return
             try:
-                await self.etcd.lease_keepalive(lease)
+                await self.etcd.lease_keepalive(lease, session=False)
+                self.renewals.renewed(node_id, lease, now)
                 return
             except LeaseLost:
-                pass
-        lease = await self.etcd.lease_grant(self.settings.node_lease_ttl_s)
+                self.renewals.forget(node_id)
+        asked = self.clock.monotonic()
+        lease = await self.etcd.lease_grant(
+            lease_ttl(self.settings.node_lease_ttl_s, self.settings.heartbeat_interval_s),
+            session=False)
+        self.renewals.renewed(node_id, lease, asked)
         change.compares.append(Compare.mod(key, mod))
         change.puts.append(Put(key, self.settings.instance_id.encode(), lease=lease,
                                category="other"))

@@ -201,12 +201,20 @@ def place(
     max_count: int,
     sample: int = 32,
     top_k: int = 3,
+    lane: tuple[int, int] = (0, 1),
 ) -> PlacementDecision:
-    """Choose a node for ``req``; see the module docstring for the rules."""
+    """Choose a node for ``req``; see the module docstring for the rules.
+
+    ``lane`` = (index, count) moves the rotation's start into the index-th of count equal
+    parts of the node list: active-active replicas sample different nodes first, so their
+    concurrent placements rarely meet at one allocation's compare-and-swap.
+    """
     n = len(nodes)
     if n == 0:
         return PlacementDecision(None)
-    start = stable_hash(req.workload_id) % n
+    index, count = lane
+    start = (stable_hash(req.workload_id) % max(1, n // max(1, count))
+             + (index % max(1, count)) * (n // max(1, count))) % n
     feasible: list[ScoredNode] = []
     rejected: dict[str, str] = {}
     visited = 0

@@ -109,11 +109,14 @@ class Placer:
         *,
         reservation_ttl: float,
         sample: int = 32,
+        lane: tuple[int, int] = (0, 1),
     ) -> None:
         self.cluster = cluster
         self.clock = clock
         self.metrics = metrics
         self.sample = sample
+        #: (shard index, shard count): where this replica's sampling starts (placement.place)
+        self.lane = lane
         self.nodes = _NodeIndex()
         self.allocated = _AllocationSums()
         cluster.nodes.listeners.append(self.nodes)
@@ -138,6 +141,7 @@ class Placer:
             counts=self.cluster.workloads.counts,
             max_count=self.cluster.workloads.max_count,
             sample=self.sample,
+            lane=self.lane,
         )
         self.metrics.placement_decision_seconds.observe(time.thread_time() - started)
         return decision

@@ -101,7 +101,9 @@ class Scheduler:
                                    outbox_enabled=settings.events_enabled)
         self.writer = StateWriter(self.cluster, self.committer, self.layout)
         self.placer = Placer(self.cluster, self.clock, self.metrics,
-                             reservation_ttl=settings.reservation_ttl_s)
+                             reservation_ttl=settings.reservation_ttl_s,
+                             lane=(settings.shard_index, settings.shard_count)
+                             if settings.active_active else (0, 1))
         tls = None
         if settings.agent_tls_enabled:
             tls = TlsFiles(settings.tls_ca, settings.tls_cert, settings.tls_key)

@@ -17,11 +17,13 @@ def node(node_id: str, **kw) -> NodeInfo:
     return NodeInfo(node_id=node_id, **base)
 
 
-def decide(req, nodes, *, alive=None, allocated=None, reserved=None, counts=None, sample=100):
+def decide(req, nodes, *, alive=None, allocated=None, reserved=None, counts=None, sample=100,
+           lane=(0, 1)):
     alive = {n.node_id for n in nodes} if alive is None else alive
     counts = counts or {}
     return place(req, nodes, alive=alive, allocated=allocated or {}, reserved=reserved or {},
-                 counts=counts, max_count=max(counts.values(), default=0), sample=sample)
+                 counts=counts, max_count=max(counts.values(), default=0), sample=sample,
+                 lane=lane)
 
 
 REQ = PlacementRequest(workload_id="w", workload_type="container", cpu_m=500, mem_mb=512)
@@ -91,14 +93,15 @@ usage_st = st.dictionaries(st.sampled_from([f"n{i}" for i in range(41)]),
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(req=req_st, nodes=fleet_st, allocated=usage_st, reserved=usage_st,
        dead=st.sets(st.sampled_from([f"n{i}" for i in range(41)]), max_size=5),
-       sample=st.integers(1, 30))
-def test_placement_properties(req, nodes, allocated, reserved, dead, sample):
+       sample=st.integers(1, 30),
+       lane=st.integers(1, 4).flatmap(lambda c: st.tuples(st.integers(0, c - 1), st.just(c))))
+def test_placement_properties(req, nodes, allocated, reserved, dead, sample, lane):
     alive = {n.node_id for n in nodes} - dead
     counts = {n.node_id: (i * 7) % 5 for i, n in enumerate(nodes)}
     first = decide(req, nodes, alive=alive, allocated=allocated, reserved=reserved,
-                   counts=counts, sample=sample)
+                   counts=counts, sample=sample, lane=lane)
     again = decide(req, list(nodes), alive=set(alive), allocated=dict(allocated),
-                   reserved=dict(reserved), counts=dict(counts), sample=sample)
+                   reserved=dict(reserved), counts=dict(counts), sample=sample, lane=lane)
     assert first == again  # same input -> same answer
     if first.node_id is None:
         # nothing fits: every node was visited and refused with a reason
@@ -114,3 +117,18 @@ def test_placement_properties(req, nodes, allocated, reserved, dead, sample):
         assert a_cpu + r_cpu + req.cpu_m <= chosen.cpu_total_m
     if req.mem_mb > 0:
         assert a_mem + r_mem + req.mem_mb <= chosen.mem_total_mb
+
+
+def test_lanes_start_active_active_replicas_on_different_nodes():
+    """Two shards' replicas sample disjoint halves first (fewer CAS meetings), yet either
+    still finds the one node that fits wherever it is."""
+    nodes = [node(f"n{i:03d}") for i in range(200)]
+    for i in range(50):
+        req = PlacementRequest(workload_id=f"w{i}", workload_type="container", cpu_m=1,
+                               mem_mb=1)
+        a = decide(req, nodes, sample=8, lane=(0, 2))
+        b = decide(req, nodes, sample=8, lane=(1, 2))
+        assert {n.node_id for n in a.top}.isdisjoint(n.node_id for n in b.top)
+    only = {f"n{i:03d}": (4000, 8192) for i in range(200) if i != 7}
+    for lane in ((0, 2), (1, 2)):
+        assert decide(REQ, nodes, allocated=only, sample=8, lane=lane).node_id == "n007"
