@@ -32,10 +32,10 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from eventsource.commit import Change, retry_on_conflict
 from eventsource.errors import Conflict, StoreError
@@ -94,7 +94,6 @@ from handlers.retry import (
 from handlers.specs import agent_apply_request, request_of
 from handlers.state import NotFound
 from handlers.workloads import Outcome, mark_apply_requested
-from projections.prefix import Item
 
 if TYPE_CHECKING:
     from handlers.config import Settings
@@ -121,38 +120,27 @@ def policy_from(settings: Settings) -> RetryPolicy:
                        vm_apply_timeout_s=settings.agent_vm_apply_timeout_s)
 
 
-class ItemValues(Mapping[str, V], Generic[V]):
-    """A read-only view of a projection's items as plain values (no copy per cycle)."""
-
-    def __init__(self, items: Mapping[str, Item[V]]) -> None:
-        self._items = items
-
-    def __getitem__(self, key: str) -> V:
-        return self._items[key].value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 async def run_bounded(items: Iterable[T], limit: int,
                       body: Callable[[T], Awaitable[None]]) -> None:
     """``body(item)`` for every item, at most ``limit`` at once, in one task group.
 
-    ``body`` handles the failures it expects; anything else (``NotLeader``, a bug) propagates
-    and cancels the rest, which is what a lost leadership must do.
+    ``limit`` workers share one iterator (a task per worker, not per item: a cycle over 5,000
+    nodes creates 64 tasks, not 5,000). ``body`` handles the failures it expects; anything else
+    (``NotLeader``, a bug) propagates and cancels the rest, which is what a lost leadership
+    must do.
     """
-    sem = asyncio.Semaphore(max(1, limit))
+    pending = list(items)
+    if not pending:
+        return
+    source = iter(pending)
 
-    async def one(item: T) -> None:
-        async with sem:
+    async def worker() -> None:
+        for item in source:  # one event loop: each next() hands an item to exactly one worker
             await body(item)
 
     async with asyncio.TaskGroup() as tg:
-        for item in items:
-            tg.create_task(one(item))
+        for _ in range(min(max(1, limit), len(pending))):
+            tg.create_task(worker())
 
 
 @dataclass(slots=True)
@@ -337,8 +325,10 @@ class ReconcileLoop(_Shell):
             views[node_id] = NodeView(node_id, old.exists, NOT_READY, old.alive, old.endpoint)
 
         await run_bounded(report.unreachable, self.concurrency, lost)
-        specs = ItemValues(self.cluster.specs.items)
-        statuses = ItemValues(self.cluster.statuses.items)
+        # plain dicts: one C-speed pass, then every lookup of the plan is a dict lookup (a
+        # Mapping wrapper cost a Python call per lookup, hundreds of thousands per cycle)
+        specs = {k: item.value for k, item in self.cluster.specs.items.items()}
+        statuses = {k: item.value for k, item in self.cluster.statuses.items.items()}
         findings: list[DriftFinding] = []
         if report.drift:
             expected = {n: self.cluster.workload_ids_on(n) for n in observations}

@@ -593,13 +593,17 @@ def plan_node_monitor(checks: Iterable[NodeCheck], *, now: datetime,
     return MonitorPlan(tuple(sorted(lost)), tuple(sorted(collect)))
 
 
+_AGENT_DESIRED = {1: RUNNING, 2: STOPPED}
+
+
 def observed_from_agent(status: Any) -> ObservedWorkload:
-    """An agent ``WorkloadStatus`` message -> ObservedWorkload (duck-typed: no proto import)."""
-    desired = {1: RUNNING, 2: STOPPED}.get(int(getattr(status, "desired_state", 0)), "")
+    """An agent ``WorkloadStatus`` message -> ObservedWorkload (duck-typed: no proto import).
+
+    Called for every workload of every node each cycle: plain attribute reads only."""
     return ObservedWorkload(
-        workload_id=str(status.id),
-        state=AGENT_STATES.get(int(status.actual_state), UNKNOWN),
-        revision_id=str(getattr(status, "revision_id", "")),
-        desired=desired,
-        message=str(getattr(status, "message", "")),
+        workload_id=status.id,
+        state=AGENT_STATES.get(status.actual_state, UNKNOWN),
+        revision_id=status.revision_id,
+        desired=_AGENT_DESIRED.get(status.desired_state, ""),
+        message=status.message,
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
-from eventsource.errors import Conflict
+from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import Compare, Delete, Put
 from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
@@ -137,10 +137,31 @@ class WorkloadCommands:
             return await self._update(parsed)
 
         try:
-            return await retry_on_conflict(attempt, attempts=8)
+            outcome = await retry_on_conflict(attempt, attempts=8)
+            if outcome.failure == "INSUFFICIENT_RESOURCES" and await self._caught_up():
+                # the refusal may come from a view older than a node registered a moment ago
+                # (on another replica): decide once more on a view as new as etcd's
+                outcome = await retry_on_conflict(attempt, attempts=8)
+            return outcome
         except Conflict:
             return Outcome(False, "INSUFFICIENT_RESOURCES",
                            "placement kept conflicting with concurrent writers; retry")
+
+    async def _caught_up(self) -> bool:
+        """Bring the placement views up to etcd's current revision; False if they already
+        were (nothing new to decide on) or etcd cannot tell."""
+        try:
+            revision = await self.committer.etcd.current_revision()
+        except StoreError:
+            return False
+        if self.cluster.nodes.revision >= revision:
+            return False
+        try:
+            await self.cluster.wait_for(revision, timeout=3.0,
+                                        which=("nodes", "allocations", "alive", "specs"))
+        except StoreError:
+            return False
+        return True
 
     def _place(self, spec: WorkloadSpec, status: WorkloadStatus, *, exclude: frozenset[str]
                = frozenset()) -> _Placed | Outcome:

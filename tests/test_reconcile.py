@@ -560,8 +560,9 @@ async def test_silent_node_goes_not_ready_and_its_workloads_move_with_two_replic
         async with running_fleet(follower, 4) as fleet, control_stub(follower) as stub:
             async with asyncio.timeout(30):
                 await fleet.wait_registered()
-            await wait_for(lambda: sum(1 for n in first.cluster.nodes.values()
-                                       if n.status == "Ready") == 4, timeout=30)
+            for replica in (first, second):
+                await wait_for(lambda r=replica: sum(1 for n in r.cluster.nodes.values()
+                                                     if n.status == "Ready") == 4, timeout=30)
             movable = [f"m-{i}" for i in range(8)]
             for wid in movable:
                 resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
