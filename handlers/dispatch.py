@@ -112,10 +112,13 @@ class Dispatcher:
             log.info("apply outcome not recorded workload_id=%s: %s", spec.id, exc)
 
     # -- delete -----------------------------------------------------------------------------
-    def delete(self, workload_id: str, node_id: str) -> None:
-        self._spawn(self._delete(workload_id, node_id))
+    def delete(self, workload_id: str, node_id: str, *, after: int = 0) -> None:
+        """Delete on the agent, then remove the state. ``after``: the revision of the delete
+        request; finalisation reads the projection, which must show it (or it would see the
+        workload still desired and leave it to the next reconcile cycle)."""
+        self._spawn(self._delete(workload_id, node_id, after))
 
-    async def _delete(self, workload_id: str, node_id: str) -> None:
+    async def _delete(self, workload_id: str, node_id: str, after: int = 0) -> None:
         async with self._sem:
             endpoint = self.endpoint(node_id) if node_id else None
             if endpoint is not None:
@@ -132,6 +135,9 @@ class Dispatcher:
                 except NotLeader:
                     return
             try:
+                if after:
+                    await self.cluster.wait_for(after, which=("specs", "statuses",
+                                                              "allocations"))
                 await self.finalize(workload_id)
             except StoreError as exc:
                 log.warning("delete finalisation failed workload_id=%s: %s", workload_id, exc)

@@ -387,11 +387,11 @@ class WorkloadCommands:
                       Put(self.layout.status(workload_id), encode(status), category="status")],
             )
             try:
-                await self.committer.commit(change)
+                committed = await self.committer.commit(change)
             except Conflict as exc:
                 await self._catch_up(exc)
                 raise
-            self.dispatcher.delete(workload_id, status.node_id)
+            self.dispatcher.delete(workload_id, status.node_id, after=committed.revision)
             return Outcome(True, message="delete requested")
 
         return await retry_on_conflict(attempt)
