@@ -332,7 +332,7 @@ class NodeCommands:
             if spec is not None:
                 revisions[wid] = spec.value.revision_id
         if usages:
-            await self.usage.record(node_id, usages, revisions, stamp)
+            self.usage.offer(node_id, usages, revisions, stamp)
 
     async def _update_workload_state(self, workload_id: str, node_id: str, state: str,
                                      ws: control_pb2.WorkloadStatus, stamp: str) -> None:

@@ -130,7 +130,10 @@ class Scheduler:
                                           clock=self.clock, layout=self.layout)
         self.relocator = Relocator(self.workloads)
         self.redis = writer_client(self._redis_url()) if settings.redis_addr else None
-        self.usage = UsageSink(self.redis, meter_stream=settings.meter_stream,
+        # telemetry gets its own connections: it must never take the ones events need
+        self.usage_redis = (writer_client(self._redis_url(), max_connections=4)
+                            if settings.redis_addr else None)
+        self.usage = UsageSink(self.usage_redis, meter_stream=settings.meter_stream,
                                meter_maxlen=settings.meter_stream_maxlen,
                                meter_enabled=settings.meter_stream_enabled)
         self.nodes = NodeCommands(etcd=self.etcd, cluster=self.cluster, committer=self.committer,
@@ -198,6 +201,7 @@ class Scheduler:
                 self.tasks.start("relay", self.relay.run)
         await self.cluster.wait_ready(timeout=60.0)
         self.tasks.start("leader", self.leader.run)
+        self.tasks.start("usage", self.usage.run)
         await self._start_grpc()
         await self.http.start(self.settings.grpc_addr, self.settings.metrics_port)
         if self.settings.dns_enabled:
@@ -297,6 +301,8 @@ class Scheduler:
         await step("agents", self.agents.close())
         if self.redis is not None:
             await step("redis", self.redis.aclose())
+        if self.usage_redis is not None:
+            await step("usage-redis", self.usage_redis.aclose())
         if self.servicer.buckets is not None:
             await step("buckets", self.servicer.buckets.aclose())
         await step("http", self.http.stop())

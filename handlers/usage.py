@@ -2,9 +2,15 @@
 
 Per-workload usage changes on every heartbeat; writing it to etcd (the Go version's
 ``UpdateWorkloadRuntimeDetails``) made each heartbeat several Raft writes. Here it goes to a
-Redis hash per workload (with a TTL, read by GetWorkload) and to the meter stream
+Redis key per workload (JSON with a TTL, read by GetWorkload) and to the meter stream
 ``persys:usage:stream`` in the Go version's entry format, de-duplicated per heartbeat (the agent
-reports each snapshot twice). Best effort with a short timeout: telemetry never blocks scheduling.
+reports each snapshot twice).
+
+Best effort, and never in the way: a heartbeat only queues its snapshots (bounded; the oldest
+are dropped and counted when Redis is slow or down). One writer task sends what is queued in
+batches, one script call per batch, on its own connection, so telemetry can never take the
+connections the event relay needs. 5,000 nodes x 20 workloads every 10 s is 10,000 snapshots/s:
+as single commands that was most of a scheduler's event loop.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,24 +29,28 @@ from eventsource.events import new_event_id
 
 log = logging.getLogger("persys.usage")
 
-#: KEYS: the usage key of each workload, then the meter stream. ARGV: ttl, maxlen, meter on
-#: (1/0), node id, then per workload: usage JSON, event id, workload id, revision, reported at,
+#: KEYS: per snapshot its usage key, then the meter stream last. ARGV: ttl, maxlen, meter on
+#: (1/0), then per snapshot: usage JSON, event id, node id, workload id, revision, reported at,
 #: meter payload. Entries have the Go version's fields.
 RECORD_SCRIPT = """
 local n = #KEYS - 1
 local meter = ARGV[3] == '1'
-local a = 5
+local a = 4
 for i = 1, n do
   redis.call('SET', KEYS[i], ARGV[a], 'EX', ARGV[1])
   if meter then
     redis.call('XADD', KEYS[n + 1], 'MAXLEN', '~', ARGV[2], '*',
-      'event_id', ARGV[a + 1], 'node_id', ARGV[4], 'workload_id', ARGV[a + 2],
-      'revision_id', ARGV[a + 3], 'reported_at', ARGV[a + 4], 'payload', ARGV[a + 5])
+      'event_id', ARGV[a + 1], 'node_id', ARGV[a + 2], 'workload_id', ARGV[a + 3],
+      'revision_id', ARGV[a + 4], 'reported_at', ARGV[a + 5], 'payload', ARGV[a + 6])
   end
-  a = a + 6
+  a = a + 7
 end
 return n
 """
+
+#: one snapshot, ready for the script: (key, usage JSON, event id, node id, workload id,
+#: revision, reported at, payload)
+Snapshot = tuple[str, str, str, str, str, str, str, str]
 
 
 class UsageSink:
@@ -53,6 +64,8 @@ class UsageSink:
         key_prefix: str = "persys:scheduler:usage:",
         ttl_s: int = 600,
         timeout: float = 2.0,
+        max_queued: int = 50_000,
+        batch: int = 500,
     ) -> None:
         self.client = client
         self.meter_stream = meter_stream
@@ -61,21 +74,21 @@ class UsageSink:
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.timeout = timeout
-        # one script call per heartbeat instead of two commands per workload: packing and
-        # parsing dozens of commands per heartbeat was a quarter of a busy scheduler's loop
+        self.batch = batch
         self._script = client.register_script(RECORD_SCRIPT) if client is not None else None
+        self._queue: deque[Snapshot] = deque(maxlen=max_queued)
+        self._ready = asyncio.Event()
+        #: snapshots dropped (queue full, or a batch Redis refused)
+        self.dropped = 0
 
-    async def record(
+    def offer(
         self, node_id: str, snapshots: Mapping[str, dict[str, Any]],
         revisions: Mapping[str, str], reported_at: str,
     ) -> None:
+        """Queue one heartbeat's snapshots; returns at once."""
         if self._script is None or not snapshots:
             return
-        keys: list[str] = []
-        args: list[str | int] = [self.ttl_s, self.meter_maxlen, 1 if self.meter_enabled else 0,
-                                 node_id]
         for workload_id, usage in snapshots.items():
-            keys.append(f"{self.key_prefix}{workload_id}")
             revision = revisions.get(workload_id, "")
             stamp = str(usage.get("collectedAt") or reported_at)
             event_id = new_event_id()
@@ -85,14 +98,43 @@ class UsageSink:
                                       "workload_id": workload_id, "revision_id": revision,
                                       "reported_at": stamp, "usage": usage},
                                      separators=(",", ":"))
-            args += [json.dumps(usage, separators=(",", ":")), event_id, workload_id, revision,
-                     stamp, payload]
+            if len(self._queue) == self._queue.maxlen:
+                self.dropped += 1  # the deque drops the oldest
+            self._queue.append((f"{self.key_prefix}{workload_id}",
+                                json.dumps(usage, separators=(",", ":")), event_id, node_id,
+                                workload_id, revision, stamp, payload))
+        self._ready.set()
+
+    async def run(self) -> None:
+        """The writer task: send what is queued, a batch per script call."""
+        if self._script is None:
+            return
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._queue:
+                await self._send(self._take())
+
+    def _take(self) -> list[Snapshot]:
+        out: list[Snapshot] = []
+        while self._queue and len(out) < self.batch:
+            out.append(self._queue.popleft())
+        return out
+
+    async def _send(self, batch: list[Snapshot]) -> None:
+        assert self._script is not None
+        keys = [s[0] for s in batch]
         keys.append(self.meter_stream)
+        args: list[str | int] = [self.ttl_s, self.meter_maxlen, 1 if self.meter_enabled else 0]
+        for snapshot in batch:
+            args.extend(snapshot[1:])
         try:
             async with asyncio.timeout(self.timeout):
                 await self._script(keys=keys, args=args)
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("usage telemetry dropped node_id=%s: %s", node_id, exc)
+            self.dropped += len(batch)
+            log.warning("usage telemetry dropped snapshots=%d total_dropped=%d: %s",
+                        len(batch), self.dropped, exc)
 
     async def get(self, workload_id: str) -> dict[str, Any] | None:
         if self.client is None:
