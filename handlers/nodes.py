@@ -12,6 +12,7 @@ assigned to the reporting node: one node's agent cannot change another node's wo
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -307,6 +308,7 @@ class NodeCommands:
         stamp = rfc3339(now)
         usages: dict[str, dict[str, Any]] = {}
         revisions: dict[str, str] = {}
+        changed: list[tuple[str, str, control_pb2.WorkloadStatus]] = []
         for ws in req.workload_statuses:
             wid = ws.workload_id
             item = self.cluster.statuses.get(wid)
@@ -324,7 +326,12 @@ class NodeCommands:
                 continue
             if current.status == state and ws.message and ws.message in current.logs[-512:]:
                 continue
-            await self._update_workload_state(wid, node_id, state, ws, stamp)
+            changed.append((wid, state, ws))
+        if changed:
+            # concurrently: different keys, so they can share a transaction (group commit),
+            # and a heartbeat waits for the slowest write, not for the sum of them
+            await asyncio.gather(*(self._update_workload_state(wid, node_id, state, ws, stamp)
+                                   for wid, state, ws in changed))
         for u in req.workload_usage:
             usages.setdefault(u.workload_id, _usage_dict(u))
         for wid in usages:
