@@ -199,9 +199,11 @@ class AsyncEtcd:
         self.endpoints = [e.strip() for e in endpoints if e.strip()]
         self.timeout = timeout
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="etcd")
-        # leases (liveness of leaders, relays, nodes) must never queue behind bulk work: a
-        # keepalive that waits in line can cost leadership, so they get their own small lane
-        self._lease_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="etcd-lease")
+        # this process's own sessions (leader, relay, DNS record) must never queue behind bulk
+        # work, nor behind thousands of nodes' liveness keepalives: a keepalive that waits in
+        # line can cost leadership, so they get their own small lane
+        self._session_executor = ThreadPoolExecutor(max_workers=2,
+                                                    thread_name_prefix="etcd-session")
         self._local = threading.local()
         self._pool_size = max_workers
         self._current = 0
@@ -259,12 +261,14 @@ class AsyncEtcd:
             return dict(result)
         raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One gateway call on the etcd pool, bounded by the client timeout."""
+    async def post(self, path: str, body: dict[str, Any], *,
+                   session: bool = False) -> dict[str, Any]:
+        """One gateway call on the etcd pool (``session``: on the lane kept for this
+        process's own leases), bounded by the client timeout."""
         if self._closed:
             raise Unavailable("etcd client closed")
         loop = asyncio.get_running_loop()
-        executor = self._lease_executor if path.startswith("/lease/") else self._executor
+        executor = self._session_executor if session else self._executor
         future = loop.run_in_executor(executor, self._post_blocking, path, body)
         deadline = self.timeout * len(self.endpoints) + 1.0
         try:
@@ -374,21 +378,23 @@ class AsyncEtcd:
         await self.post("/kv/compaction", {"revision": str(revision), "physical": True})
 
     # -- leases -----------------------------------------------------------------------------
-    async def lease_grant(self, ttl: int) -> int:
-        result = await self.post("/lease/grant", {"TTL": str(ttl)})
+    async def lease_grant(self, ttl: int, *, session: bool = True) -> int:
+        """A new lease. ``session=False`` for leases that are not this process's own (node
+        liveness): they go with the bulk work, never in the way of our own sessions."""
+        result = await self.post("/lease/grant", {"TTL": str(ttl)}, session=session)
         return int(result["ID"])
 
-    async def lease_keepalive(self, lease_id: int) -> int:
+    async def lease_keepalive(self, lease_id: int, *, session: bool = True) -> int:
         """Renew a lease; returns its TTL. A keepalive is not a Raft write."""
-        result = await self.post("/lease/keepalive", {"ID": str(lease_id)})
+        result = await self.post("/lease/keepalive", {"ID": str(lease_id)}, session=session)
         ttl = int(result.get("result", {}).get("TTL", 0))
         if ttl <= 0:
             raise LeaseLost(f"lease {lease_id:x} expired")
         return ttl
 
-    async def lease_revoke(self, lease_id: int) -> None:
+    async def lease_revoke(self, lease_id: int, *, session: bool = True) -> None:
         try:
-            await self.post("/lease/revoke", {"ID": str(lease_id)})
+            await self.post("/lease/revoke", {"ID": str(lease_id)}, session=session)
         except LeaseLost:
             return
 
@@ -402,4 +408,4 @@ class AsyncEtcd:
     def close(self) -> None:
         self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._lease_executor.shutdown(wait=False, cancel_futures=True)
+        self._session_executor.shutdown(wait=False, cancel_futures=True)
