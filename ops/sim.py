@@ -790,6 +790,12 @@ class Fleet:
         if heartbeat_interval_s is not None and heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
         self.scheduler = scheduler
+        #: "host:port[,host:port...]": each node keeps to one address (as an agent configured
+        #: with one scheduler address does); nodes are spread over them round-robin
+        self._addresses = [a.strip() for a in scheduler.split(",") if a.strip()]
+        if not self._addresses:
+            raise ValueError("scheduler: at least one HOST:PORT is required")
+        control_channels = max(control_channels, len(self._addresses))
         self.counters = FleetCounters()
         self._clock = DueHeap(self.counters)
         self._rng = random.Random(seed)
@@ -855,9 +861,10 @@ class Fleet:
 
     async def _start_all(self, loop: asyncio.AbstractEventLoop) -> None:
         self._clock.start()
-        for _ in range(self._channel_count):
+        for index in range(self._channel_count):
             channel = grpc.aio.insecure_channel(
-                self.scheduler, options=(("grpc.use_local_subchannel_pool", 1),)
+                self._addresses[index % len(self._addresses)],
+                options=(("grpc.use_local_subchannel_pool", 1),)
             )
             self._channels.append(channel)
             stub = control_pb2_grpc.AgentControlStub(channel)  # type: ignore[no-untyped-call]
@@ -1153,7 +1160,8 @@ def _probability(text: str) -> float:
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``sim`` options to ``parser`` (read back by :func:`run_sim`)."""
     parser.add_argument(
-        "--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's gRPC address"
+        "--scheduler", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+        help="the scheduler's gRPC address; several spread the nodes over the replicas"
     )
     parser.add_argument("--nodes", type=_positive_int, default=20, help="nodes (default 20)")
     parser.add_argument(

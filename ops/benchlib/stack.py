@@ -235,7 +235,11 @@ class Stack:
             await self.fleet.start()
             return
         port = service_port(self._ports)
-        argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", self.grpc_addrs[0],
+        # active-active shards: the fleet is spread over the replicas, as agents behind DNS
+        # would be; replicas of one shard (failover) all get the first replica's address
+        target = (",".join(self.grpc_addrs) if self.options.ha == "shards"
+                  else self.grpc_addrs[0])
+        argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", target,
                 "--nodes", str(o.nodes), "--stats-port", str(port), "--report-every", "0",
                 "--apply-latency", f"{o.apply_latency_s:g}"]
         if o.seed is not None:
