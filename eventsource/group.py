@@ -30,6 +30,7 @@ import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from eventsource.errors import StoreError
 from eventsource.etcd import MAX_TXN_OPS, AsyncEtcd, Compare, Delete, Put
@@ -82,15 +83,19 @@ class Pending:
         return ops
 
 
-def _resolve(future: asyncio.Future[tuple[bool, int]], value: tuple[bool, int] | None = None,
-             error: BaseException | None = None) -> None:
+T = TypeVar("T")
+
+
+def settle(future: asyncio.Future[T], *, result: T | None = None,
+           error: BaseException | None = None) -> None:
+    """Resolve a waiting caller's future unless it is already done (its caller gave up)."""
     if future.done():
         return
     if error is not None:
         future.set_exception(error)
     else:
-        assert value is not None
-        future.set_result(value)
+        assert result is not None
+        future.set_result(result)
 
 
 class GroupCommit:
@@ -186,13 +191,13 @@ class GroupCommit:
                     try:
                         await self._send_one(pending)
                     except StoreError as one:
-                        _resolve(pending.future, error=one)
+                        settle(pending.future, error=one)
             else:
                 for pending in group:
-                    _resolve(pending.future, error=exc)
+                    settle(pending.future, error=exc)
         finally:
             for pending in group:
-                _resolve(pending.future, error=StoreError("transaction not sent"))
+                settle(pending.future, error=StoreError("transaction not sent"))
                 self._busy -= pending.written_keys()
                 if pending.exclusive():
                     self._exclusive = False
@@ -203,7 +208,7 @@ class GroupCommit:
     async def _send_one(self, pending: Pending) -> None:
         self.metrics.etcd_txn_requests.labels("single").inc()
         result = await self.etcd.txn(pending.compares, pending.ops(self.layout, 0))
-        _resolve(pending.future, (result.succeeded, result.revision))
+        settle(pending.future, result=(result.succeeded, result.revision))
 
     async def _send_group(self, group: list[Pending]) -> None:
         self.metrics.etcd_txn_requests.labels("group").inc()
@@ -214,12 +219,12 @@ class GroupCommit:
             seq += len(pending.events)
         revision, outcomes = await self.etcd.txn_group(subs)
         for pending, succeeded in zip(group, outcomes, strict=True):
-            _resolve(pending.future, (succeeded, revision))
+            settle(pending.future, result=(succeeded, revision))
 
     async def aclose(self) -> None:
         self._closed = True
         for pending in self._queue:
-            _resolve(pending.future, error=StoreError("etcd writer closed"))
+            settle(pending.future, error=StoreError("etcd writer closed"))
         self._queue.clear()
         tasks = list(self._tasks)
         for task in tasks:

@@ -30,6 +30,7 @@ from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import MAX_TXN_OPS, Compare, Put
 from eventsource.events import Event
+from eventsource.group import settle
 from eventsource.keys import KeyLayout
 from eventsource.records import Allocation, encode
 from projections.cluster import ClusterProjection
@@ -54,18 +55,6 @@ class Intent:
     events: list[Event]
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-def _settle(future: asyncio.Future[int], *, result: int | None = None,
-            error: BaseException | None = None) -> None:
-    """Resolve a caller's future unless it is already done (cancelled by its caller)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        assert result is not None
-        future.set_result(result)
 
 
 class PlacementBatcher:
@@ -150,7 +139,7 @@ class PlacementBatcher:
                 continue  # the caller gave up (cancelled): do not commit on its behalf
             node_item = self.cluster.nodes.get(intent.node_id)
             if node_item is None:
-                _settle(intent.future, error=Conflict("node vanished"))
+                settle(intent.future, error=Conflict("node vanished"))
                 continue
             if intent.node_id not in allocations:
                 allocations[intent.node_id] = self._base(intent.node_id)
@@ -162,7 +151,7 @@ class PlacementBatcher:
             if (intent.cpu_m > 0 and trial.cpu_millicores > cpu_total) or (
                 intent.mem_mb > 0 and trial.memory_mb > node.total_memory
             ):
-                _settle(intent.future, error=Conflict(f"{intent.node_id} filled up meanwhile"))
+                settle(intent.future, error=Conflict(f"{intent.node_id} filled up meanwhile"))
                 continue
             allocations[intent.node_id] = (trial, allocations[intent.node_id][1])
             change.compares.extend(intent.compares)
@@ -198,7 +187,7 @@ class PlacementBatcher:
                         self._committed.pop(node_id, None)
                     if attempt == 2:
                         for intent in accepted:
-                            _settle(intent.future,
+                            settle(intent.future,
                                     error=Conflict(str(exc), revision=exc.revision))
                         return
                     if exc.revision:
@@ -210,15 +199,15 @@ class PlacementBatcher:
                 self.batches += 1
                 self.intents_committed += len(accepted)
                 for intent in accepted:
-                    _settle(intent.future, result=committed.revision)
+                    settle(intent.future, result=committed.revision)
                 return
         except (StoreError, ValueError) as exc:
             for intent in original:
-                _settle(intent.future, error=exc)
+                settle(intent.future, error=exc)
         finally:
             # cancelled (shutdown) or failed in an unexpected way: nobody may wait forever
             for intent in original:
-                _settle(intent.future, error=StoreError("placement not committed"))
+                settle(intent.future, error=StoreError("placement not committed"))
             self._busy -= nodes
             self._inflight -= 1
             self._forget_stale()
