@@ -78,7 +78,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("scenario", choices=sorted(SCENARIOS),
-                        help="; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values()))
+                        help="; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values())
+                        .replace("%", "%%"))  # argparse formats help with %
     size = parser.add_argument_group("sizes")
     size.add_argument("--nodes", type=_positive_int, default=100,
                       help="simulated nodes (default 100)")

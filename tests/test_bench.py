@@ -200,3 +200,12 @@ def test_writes_are_grouped_by_prefix():
     assert key_group("/persys/scheduler/alive/n1") == "/persys/scheduler/alive/"
     assert key_group("/persys/scheduler/initialized") == "/persys/scheduler/initialized"
     assert key_group("/t/abc/workloads-status/w1", "/t/abc") == "/workloads-status/"
+
+
+@pytest.mark.parametrize("command", ["serve", "dev", "sim", "bench", "replay"])
+def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` must format (argparse %-formats help text; a stray % once broke ``bench``)."""
+    with pytest.raises(SystemExit) as ended:
+        build_parser().parse_args([command, "--help"])
+    assert ended.value.code == 0
+    assert f"persys-scheduler {command}" in capsys.readouterr().out
