@@ -49,6 +49,11 @@ class Metrics:
             "grpc_server_request_duration_seconds", "gRPC request latency", ["method", "code"],
             namespace=ns, subsystem=sub, registry=r,
         )
+        self.event_loop_lag = Histogram(
+            "event_loop_lag_seconds", "how much later than asked a timer fired on the loop",
+            namespace=ns, subsystem=sub, registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
         self.reconcile_cycles = Counter(
             "reconcile_cycles", "reconcile cycles run", namespace=ns, subsystem=sub, registry=r,
         )

@@ -34,6 +34,7 @@ from handlers.dns import DnsRegistration, advertise_ip
 from handlers.events import EventService
 from handlers.http import HttpEndpoint
 from handlers.leadership import LeaderGate
+from handlers.looplag import probe_loop_lag
 from handlers.modes import ModeState
 from handlers.nodes import NodeCommands
 from handlers.placer import Placer
@@ -202,6 +203,7 @@ class Scheduler:
         await self.cluster.wait_ready(timeout=60.0)
         self.tasks.start("leader", self.leader.run)
         self.tasks.start("usage", self.usage.run)
+        self.tasks.start("loop-lag", lambda: probe_loop_lag(self.metrics.event_loop_lag))
         await self._start_grpc()
         await self.http.start(self.settings.grpc_addr, self.settings.metrics_port)
         if self.settings.dns_enabled:
