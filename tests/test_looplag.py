@@ -19,7 +19,7 @@ async def test_a_stall_is_recorded_and_logged(caplog: pytest.LogCaptureFixture) 
     try:
         await asyncio.sleep(0.05)  # the probe is sleeping on its timer now
         with caplog.at_level(logging.WARNING, logger="persys.looplag"):
-            time.sleep(0.2)  # hold the loop, as a blocking call would
+            time.sleep(0.2)  # noqa: ASYNC251 - deliberately holds the loop, as a blocking call would
             deadline = time.monotonic() + 5.0
             while not any("stalled" in r.message for r in caplog.records):
                 assert time.monotonic() < deadline, "the stall was never reported"
