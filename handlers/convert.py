@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -11,11 +11,22 @@ from eventsource.events import StreamEntry, parse_rfc3339
 from eventsource.records import Allocation, Node, WorkloadSpec, WorkloadStatus
 from proto.persys.control.v1 import control_pb2
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
 
 def set_time(target: Timestamp, value: str | datetime | None) -> None:
+    """``target.FromDatetime`` in integer arithmetic (several per view, on every event sent).
+
+    A naive datetime is taken as UTC, as ``FromDatetime`` takes it.
+    """
     moment = parse_rfc3339(value) if isinstance(value, str) else value
-    if moment is not None:
-        target.FromDatetime(moment)
+    if moment is None:
+        return
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    delta = moment - _EPOCH
+    target.seconds = delta.days * 86_400 + delta.seconds
+    target.nanos = delta.microseconds * 1_000
 
 
 def node_view(node: Node, allocation: Allocation | None, *, alive: bool,

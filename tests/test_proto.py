@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import pathlib
+from datetime import datetime
 
 import pytest
 from google.protobuf import descriptor as _d
+from google.protobuf.timestamp_pb2 import Timestamp
+from hypothesis import given
+from hypothesis import strategies as st
 
 import proto
+from handlers.convert import set_time
 from proto import generate as proto_generate
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc
@@ -433,3 +438,16 @@ def test_grpc_stubs_exist() -> None:
     assert hasattr(agent_pb2_grpc, "AgentServiceStub")
     assert hasattr(agent_pb2_grpc, "AgentServiceServicer")
     assert hasattr(agent_pb2_grpc, "add_AgentServiceServicer_to_server")
+
+
+# --------------------------------------------------------------------------
+# Timestamps: our integer conversion equals protobuf's FromDatetime
+
+
+@given(moment=st.datetimes(min_value=datetime(1900, 1, 1), max_value=datetime(2300, 1, 1),
+                           timezones=st.none() | st.timezones()))
+def test_set_time_equals_from_datetime(moment: datetime) -> None:
+    ours, theirs = Timestamp(), Timestamp()
+    set_time(ours, moment)
+    theirs.FromDatetime(moment)
+    assert (ours.seconds, ours.nanos) == (theirs.seconds, theirs.nanos)

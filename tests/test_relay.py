@@ -462,3 +462,29 @@ async def test_outbox_overflow_drops_the_oldest_and_writes_one_gap(
     mark = await mark_of(etcd, layout)
     assert mark.last_id == expected[-1]
     assert mark.gaps == ()
+
+
+async def test_marking_runs_at_most_one_batch_behind_the_stream(
+    etcd, layout, metrics, committer, relays, log
+) -> None:
+    """Marks are written while the next batch is appended, but never more than a batch late.
+
+    ``_prepare`` looks for already-written gaps only in the range just after the mark, so the
+    unmarked tail of the stream must stay within it: at most the batch being appended.
+    """
+    unmarked: list[int] = []
+
+    async def measure(ids: Sequence[str]) -> None:
+        mark = (await mark_of(etcd, layout)).last_id
+        after = await log.range(mark, 1000) if mark else await everything(log)
+        unmarked.append(len(after))
+
+    relays.start(log, batch=10, after_append=measure)
+    expected: list[str] = []
+    for _ in range(10):  # commits arrive while batches are appended and marked
+        expected += await commit(committer, 15)
+    await wait_for(lambda: relayed(log, etcd, layout, 150), message="events not relayed")
+    assert [e.stream_id for e in await everything(log)] == expected
+    assert unmarked
+    assert max(unmarked) <= 10, unmarked
+    assert (await mark_of(etcd, layout)).last_id == expected[-1]
