@@ -3,10 +3,12 @@
 The bench generates events the way an operator would: SetNodeLabel on the simulated nodes at
 ``--rate`` per second, each carrying a tag (label value ``<run>-<seq>``). Each of ``--watchers``
 WatchEvents clients filters on one node; events are generated round-robin over the watched
-nodes, so every tagged event has exactly one watcher. Latency = the moment a watcher receives
-the event - the event's commit timestamp (``SchedulerEventView.timestamp``); only tagged events
-are counted. ``events_lost`` are tagged events a watcher never received within the drain
-window; ``events_duplicated`` are tagged events received more than once.
+nodes, so every tagged event has exactly one watcher. With several replicas, watchers and
+label calls are spread over them round-robin, as clients behind a load balancer would be.
+Latency = the moment a watcher receives the event - the event's commit timestamp
+(``SchedulerEventView.timestamp``); only tagged events are counted. ``events_lost`` are tagged
+events a watcher never received within the drain window; ``events_duplicated`` are tagged
+events received more than once.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ DRAIN_S = 10.0
 
 async def run(ctx: BenchContext) -> Outcome:
     out = Outcome.empty(FIGURES)
-    stub = ctx.api.stubs[0]
-    nodes = (await stub.ListNodes(control_pb2.ListNodesRequest())).nodes
+    stubs = ctx.api.stubs
+    nodes = (await stubs[0].ListNodes(control_pb2.ListNodesRequest())).nodes
     node_ids = sorted(n.node_id for n in nodes)[: ctx.args.watchers]
     if not node_ids:
         raise RuntimeError("events needs registered nodes")
@@ -43,9 +45,9 @@ async def run(ctx: BenchContext) -> Outcome:
     watch_calls: list[Any] = []
     all_in = asyncio.Event()
 
-    async def watch(node_id: str) -> None:
+    async def watch(index: int, node_id: str) -> None:
         nonlocal ready
-        call = stub.WatchEvents(control_pb2.WatchEventsRequest(node_id=node_id,
+        call = stubs[index % len(stubs)].WatchEvents(control_pb2.WatchEventsRequest(node_id=node_id,
                                                                type="NodeLabelSet"))
         watch_calls.append(call)
         first = True
@@ -66,7 +68,7 @@ async def run(ctx: BenchContext) -> Outcome:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 ctx.log(f"events: watcher {node_id} ended: {exc.code().name} {exc.details()}")
 
-    watchers = [asyncio.create_task(watch(n)) for n in node_ids]
+    watchers = [asyncio.create_task(watch(i, n)) for i, n in enumerate(node_ids)]
     await asyncio.sleep(1.0)  # let every watcher subscribe before the first tagged event
     rate = float(ctx.args.rate)
     total = int(rate * DURATION_S)
@@ -75,10 +77,16 @@ async def run(ctx: BenchContext) -> Outcome:
     began = time.monotonic()
     in_flight: set[asyncio.Task[Any]] = set()
 
+    failed: dict[str, int] = {}
+
     async def label(i: int) -> None:
         value = f"{run_tag}-{i}"
-        resp = await stub.SetNodeLabel(control_pb2.SetNodeLabelRequest(
-            node_id=node_ids[i % len(node_ids)], key="bench-tag", value=value))
+        try:
+            resp = await stubs[i % len(stubs)].SetNodeLabel(control_pb2.SetNodeLabelRequest(
+                node_id=node_ids[i % len(node_ids)], key="bench-tag", value=value))
+        except grpc.aio.AioRpcError as exc:
+            failed[exc.code().name] = failed.get(exc.code().name, 0) + 1
+            return
         if resp.accepted:
             sent.append(value)
 
@@ -111,6 +119,9 @@ async def run(ctx: BenchContext) -> Outcome:
     out.figures["events_lost"] = len(set(sent) - set(received))
     out.figures["events_duplicated"] = sum(len(v) - 1 for v in received.values() if len(v) > 1)
     out.notes["rate"] = f"asked {rate:g}/s, sent {achieved:.0f}/s (SetNodeLabel answered)"
+    if failed:
+        out.notes["events"] = "SetNodeLabel failed: " + ", ".join(
+            f"{count} {code}" for code, count in sorted(failed.items()))
     out.notes["event_latency_p50_ms"] = ("delivery wall time minus the event's timestamp "
                                          "(set when the change was decided, just before commit)")
     return out
