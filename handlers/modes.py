@@ -23,7 +23,6 @@ class Probe:
     initialized: bool
     has_state: bool
     allow_empty_state: bool
-    operator_confirmed: bool = False
     error: str = ""
 
 
@@ -32,11 +31,12 @@ def decide_mode(probe: Probe) -> tuple[str, str]:
     if not probe.etcd_ok:
         return DEGRADED, f"etcd unreachable: {probe.error}" if probe.error else "etcd unreachable"
     if probe.initialized and not probe.has_state:
-        if probe.allow_empty_state or probe.operator_confirmed:
-            return NORMAL, "empty state confirmed by operator"
+        if probe.allow_empty_state:
+            return NORMAL, "empty state allowed (SCHEDULER_ALLOW_EMPTY_STATE)"
         return RECOVERY, (
             "cluster was initialized but holds no nodes, workloads or assignments; "
-            "confirm with SCHEDULER_ALLOW_EMPTY_STATE=true or the confirm command"
+            "if that is intended, run `persys-scheduler confirm-empty-state` once (or set "
+            "SCHEDULER_ALLOW_EMPTY_STATE=true)"
         )
     return NORMAL, "etcd reachable"
 

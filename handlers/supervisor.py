@@ -21,6 +21,16 @@ from handlers.modes import ModeState, Probe, decide_mode
 log = logging.getLogger("persys.mode")
 
 
+async def has_state(etcd: AsyncEtcd, layout: KeyLayout) -> bool:
+    """Whether etcd holds any node, workload or assignment (one key is enough)."""
+    for prefix in (layout.nodes_prefix, layout.specs_prefix, layout.statuses_prefix,
+                   layout.assignments_prefix):
+        page = await etcd.range_prefix(prefix, limit=1, keys_only=True)
+        if page.kvs:
+            return True
+    return False
+
+
 class ModeSupervisor:
     def __init__(self, etcd: AsyncEtcd, layout: KeyLayout, committer: Committer, mode: ModeState,
                  clock: Clock, *, allow_empty_state: bool, instance_id: str,
@@ -33,25 +43,17 @@ class ModeSupervisor:
         self.allow_empty_state = allow_empty_state
         self.instance_id = instance_id
         self.interval = interval
-        self.operator_confirmed = False
         self._pending: list[Event] = []
 
     async def probe(self) -> Probe:
         try:
             marker = await self.etcd.get(self.layout.initialized)
-            has_state = False
-            for prefix in (self.layout.nodes_prefix, self.layout.specs_prefix,
-                           self.layout.statuses_prefix, self.layout.assignments_prefix):
-                page = await self.etcd.range_prefix(prefix, limit=1, keys_only=True)
-                if page.kvs:
-                    has_state = True
-                    break
+            state = await has_state(self.etcd, self.layout)
         except StoreError as exc:
             return Probe(etcd_ok=False, initialized=False, has_state=False,
                          allow_empty_state=self.allow_empty_state, error=str(exc))
-        return Probe(etcd_ok=True, initialized=marker is not None, has_state=has_state,
-                     allow_empty_state=self.allow_empty_state,
-                     operator_confirmed=self.operator_confirmed)
+        return Probe(etcd_ok=True, initialized=marker is not None, has_state=state,
+                     allow_empty_state=self.allow_empty_state)
 
     async def tick(self) -> None:
         probe = await self.probe()

@@ -115,6 +115,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ops.confirm import add_confirm_arguments, cmd_confirm
     from ops.sim import add_sim_arguments
 
     parser = argparse.ArgumentParser(prog="persys-scheduler", description=__doc__,
@@ -143,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         bench = sub.add_parser("bench", help="measure a scheduler (BENCH.md)")
         add_bench_arguments(bench)
         bench.set_defaults(func=cmd_bench)
+    confirm = sub.add_parser("confirm-empty-state",
+                             help="confirm that an empty cluster state is intended (ends "
+                                  "recovery mode on every replica)")
+    add_confirm_arguments(confirm)
+    confirm.set_defaults(func=cmd_confirm)
     try:
         from ops.replay import add_replay_arguments, cmd_replay
     except ImportError:

@@ -202,7 +202,8 @@ def test_writes_are_grouped_by_prefix():
     assert key_group("/t/abc/workloads-status/w1", "/t/abc") == "/workloads-status/"
 
 
-@pytest.mark.parametrize("command", ["serve", "dev", "sim", "bench", "replay"])
+@pytest.mark.parametrize("command", ["serve", "dev", "sim", "bench", "replay",
+                                     "confirm-empty-state"])
 def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``--help`` must format (argparse %-formats help text; a stray % once broke ``bench``)."""
     with pytest.raises(SystemExit) as ended:

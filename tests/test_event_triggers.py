@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -593,8 +594,15 @@ async def test_leadership_mode_changes_and_lost_stream_entries(
                                            where=mode_change("normal", "recovery"))
         assert_documented(to_recovery)
         assert b.mode.mode == "recovery"
-        # the operator confirms that the empty state is real (the supervisor's confirmation)
-        b.supervisor.operator_confirmed = True
+        # the operator confirms that the empty state is real, with the command the reason names
+        assert "persys-scheduler confirm-empty-state" in b.mode.reason
+        confirm = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ops.cli", "confirm-empty-state",
+            "--etcd", etcd_server.endpoint, "--root", key_root,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(confirm.communicate(), 60)
+        assert confirm.returncode == 0, err.decode()
+        assert b"confirmed" in out
         [to_normal] = await await_events(stub, "SchedulerModeChanged",
                                          where=mode_change("recovery", "normal"))
         assert_documented(to_normal)
