@@ -32,6 +32,7 @@ from handlers.disks import DiskCommands
 from handlers.dispatch import Dispatcher
 from handlers.dns import DnsRegistration, advertise_ip
 from handlers.events import EventService
+from handlers.grpcmetrics import ServerMetrics
 from handlers.http import HttpEndpoint
 from handlers.leadership import LeaderGate
 from handlers.looplag import probe_loop_lag
@@ -236,7 +237,9 @@ class Scheduler:
         )
 
     async def _start_grpc(self) -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * 1024 * 1024)])
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 4 * 1024 * 1024)],
+            interceptors=[ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration)])
         control_pb2_grpc.add_AgentControlServicer_to_server(  # type: ignore[no-untyped-call]
             self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)

@@ -194,3 +194,32 @@ async def test_heartbeat_usage_reaches_redis_in_the_go_format(
             assert payload["usage"]["workloadId"] == workload_id
             assert payload["revision_id"] == fields["revision_id"] != ""
     await client.aclose()
+
+
+async def test_every_rpc_is_counted_with_its_method_and_code(etcd_server, key_root, stream_key):
+    """grpc_server_requests_total / _duration_seconds: unary and streaming, success and abort."""
+    settings = make_settings(etcd_server, None, key_root, stream_key)
+    async with running_scheduler(settings) as sched, control_stub(
+        f"127.0.0.1:{sched.grpc_port}"
+    ) as stub:
+        await stub.ListNodes(pb.ListNodesRequest())
+        await stub.ListNodes(pb.ListNodesRequest())
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.ListEvents(pb.ListEventsRequest())
+        with pytest.raises(grpc.aio.AioRpcError):
+            async for _ in stub.WatchEvents(pb.WatchEventsRequest()):
+                pass
+        registry = sched.metrics.registry
+
+        def count(method: str, code: str) -> float:
+            return registry.get_sample_value(
+                "persys_scheduler_grpc_server_requests_total",
+                {"method": f"/persys.control.v1.AgentControl/{method}", "code": code}) or 0.0
+
+        await wait_for(lambda: count("WatchEvents", "FAILED_PRECONDITION") == 1,
+                       message="the ended stream was not counted")
+        assert count("ListNodes", "OK") == 2
+        assert count("ListEvents", "FAILED_PRECONDITION") == 1
+        assert registry.get_sample_value(
+            "persys_scheduler_grpc_server_request_duration_seconds_count",
+            {"method": "/persys.control.v1.AgentControl/ListNodes", "code": "OK"}) == 2

@@ -1,0 +1,105 @@
+"""``persys_scheduler_grpc_server_requests_total`` and ``..._request_duration_seconds``.
+
+Why an interceptor: every service of the server (AgentControl, health, reflection) is counted
+the way the Go version's stats handler counted it, with the full method name and the status
+code, without each handler having to remember. Streams are counted once, when they end (as in
+the Go version), so a WatchEvents call shows up with its whole duration. Codes are
+``grpc.StatusCode`` names (``OK``, ``NOT_FOUND``), as in ``agent_rpc_requests_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+
+def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    """The status the call ended with: set by the handler (abort or set_code), else implied."""
+    if error is None or isinstance(error, grpc.aio.AbortError):
+        code = context.code()
+        if isinstance(code, grpc.StatusCode):
+            name: str = code.name
+            return name
+        return "OK" if error is None else "UNKNOWN"
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    return "UNKNOWN"
+
+
+class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Counts and times every RPC the server answers."""
+
+    def __init__(self, requests: Counter, duration: Histogram) -> None:
+        self._requests = requests
+        self._duration = duration
+
+    def _record(self, method: str, code: str, began: float) -> None:
+        self._requests.labels(method, code).inc()
+        self._duration.labels(method, code).observe(time.perf_counter() - began)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method: str = details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(method, handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(method, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler
+
+    def _wrap_unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            began = time.perf_counter()
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                self._record(method, _code_of(context, exc), began)
+                raise
+            self._record(method, _code_of(context, None), began)
+            return response
+
+        return unary
+
+    def _wrap_stream(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(behavior):
+            # a handler that writes with context.write() and returns
+            return self._wrap_unary(method, behavior)
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            began = time.perf_counter()
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except BaseException as exc:
+                self._record(method, _code_of(context, exc), began)
+                raise
+            self._record(method, _code_of(context, None), began)
+
+        return stream
