@@ -66,11 +66,18 @@ class Dispatcher:
 
     # -- apply ------------------------------------------------------------------------------
     def apply(self, spec: WorkloadSpec, metadata: dict[str, Any], node_id: str,
-              desired: str) -> None:
-        self._spawn(self._apply(copy.deepcopy(spec), dict(metadata), node_id, desired))
+              desired: str, *, leader_only: bool = False) -> None:
+        """Send the apply in an owned task.
+
+        ``leader_only``: the change was committed by a leader loop (fenced); the apply is sent
+        only if this replica still leads when its turn comes, and carries the leader term, so
+        a replica that lost leadership meanwhile never applies on the new leader's behalf.
+        """
+        self._spawn(self._apply(copy.deepcopy(spec), dict(metadata), node_id, desired,
+                                leader_only))
 
     async def _apply(self, spec: WorkloadSpec, metadata: dict[str, Any], node_id: str,
-                     desired: str) -> None:
+                     desired: str, leader_only: bool = False) -> None:
         async with self._sem:
             endpoint = self.endpoint(node_id)
             if endpoint is None:
@@ -78,13 +85,16 @@ class Dispatcher:
             request = agent_apply_request(spec, metadata, desired)
             try:
                 response = await self.pool.apply(node_id, endpoint, request,
-                                                 timeout=self.apply_timeout)
+                                                 timeout=self.apply_timeout,
+                                                 leader_only=leader_only)
             except AgentError as exc:
                 log.warning("agent apply failed workload_id=%s node_id=%s error=%s",
                             spec.id, node_id, exc)
                 await self._record_apply(spec, node_id, error=str(exc))
                 return
             except NotLeader:
+                log.info("apply not sent: leadership lost since the placement workload_id=%s "
+                         "node_id=%s", spec.id, node_id)
                 return
             if not response.applied and not response.skipped:
                 await self._record_apply(spec, node_id, error=response.message or "not applied")

@@ -470,7 +470,7 @@ class ReconcileLoop(_Shell):
             # show the placement first, or that record would find nothing to update
             await self.cluster.wait_for(committed.revision, which=("statuses",))
             self.dispatcher.apply(spec, placed.status.metadata, placed.node_id,
-                                  spec.desired_state)
+                                  spec.desired_state, leader_only=True)
             return True
 
         return await retry_on_conflict(attempt)
