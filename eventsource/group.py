@@ -37,6 +37,7 @@ from eventsource.etcd import MAX_TXN_OPS, AsyncEtcd, Compare, Delete, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
+from eventsource.pump import BatchPump
 
 log = logging.getLogger("persys.commit")
 
@@ -106,35 +107,21 @@ class GroupCommit:
         self.etcd = etcd
         self.layout = layout
         self.metrics = metrics
-        self.max_inflight = max_inflight
         self.max_changes = max_changes
-        self._queue: deque[Pending] = deque()
-        self._inflight = 0
+        self._pump: BatchPump[Pending] = BatchPump(max_inflight=max_inflight, take=self._take,
+                                                   send=self._send)
         #: keys written by the transactions in flight: a change writing one of them waits
         self._busy: set[str] = set()
         self._exclusive = False
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._closed = False
 
     async def submit(self, pending: Pending) -> tuple[bool, int]:
         """Send ``pending``; returns (succeeded, revision) or raises ``StoreError``."""
-        if self._closed:
+        if self._pump.closed:
             raise StoreError("etcd writer closed")
-        self._queue.append(pending)
-        self._pump()
+        self._pump.submit(pending)
         return await pending.future
 
-    def _pump(self) -> None:
-        while self._queue and self._inflight < self.max_inflight:
-            group = self._take()
-            if not group:
-                return
-            self._inflight += 1
-            task = asyncio.get_running_loop().create_task(self._send(group))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    def _take(self) -> list[Pending]:
+    def _take(self, queue: deque[Pending]) -> list[Pending]:
         if self._exclusive:
             return []  # a prefix delete is in flight: it goes alone
         group: list[Pending] = []
@@ -143,17 +130,17 @@ class GroupCommit:
         widest = 0
         kept: deque[Pending] = deque()
         blocked = False
-        while self._queue:
-            pending = self._queue.popleft()
+        while queue:
+            pending = queue.popleft()
             if pending.future.done():
                 continue
             written = pending.written_keys()
             if pending.exclusive():
-                if not blocked and not group and self._inflight == 0:
+                if not blocked and not group and self._pump.inflight == 0:
                     self._exclusive = True
                     group.append(pending)
-                    kept.extend(self._queue)
-                    self._queue.clear()
+                    kept.extend(queue)
+                    queue.clear()
                     break
                 # everything behind a prefix delete waits for it
                 blocked = True
@@ -172,7 +159,7 @@ class GroupCommit:
                 kept.append(pending)
             # whatever writes a key that is waiting must wait behind it (order per key)
             keys |= written
-        self._queue = kept
+        queue.extend(kept)
         for pending in group:
             self._busy |= pending.written_keys()
         return group
@@ -201,9 +188,6 @@ class GroupCommit:
                 self._busy -= pending.written_keys()
                 if pending.exclusive():
                     self._exclusive = False
-            self._inflight -= 1
-            if not self._closed:
-                self._pump()
 
     async def _send_one(self, pending: Pending) -> None:
         self.metrics.etcd_txn_requests.labels("single").inc()
@@ -222,13 +206,5 @@ class GroupCommit:
             settle(pending.future, result=(succeeded, revision))
 
     async def aclose(self) -> None:
-        self._closed = True
-        for pending in self._queue:
-            settle(pending.future, error=StoreError("etcd writer closed"))
-        self._queue.clear()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-
+        await self._pump.aclose(
+            lambda pending: settle(pending.future, error=StoreError("etcd writer closed")))

@@ -32,6 +32,7 @@ from eventsource.etcd import MAX_TXN_OPS, Compare, Put
 from eventsource.events import Event
 from eventsource.group import settle
 from eventsource.keys import KeyLayout
+from eventsource.pump import BatchPump
 from eventsource.records import Allocation, encode
 from projections.cluster import ClusterProjection
 
@@ -63,43 +64,31 @@ class PlacementBatcher:
         self.committer = committer
         self.cluster = cluster
         self.layout = layout
-        self.max_inflight = max_inflight
         self.max_intents = max_intents
-        self._queue: deque[Intent] = deque()
+        self._pump: BatchPump[Intent] = BatchPump(max_inflight=max_inflight, take=self._take,
+                                                  send=self._flush)
         self._busy: set[str] = set()
-        self._inflight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
         #: node id -> (allocation, mod revision) of this batcher's newest commit
         self._committed: dict[str, tuple[Allocation, int]] = {}
-        self._closed = False
         #: batches committed and intents per batch (for metrics and tests)
         self.batches = 0
         self.intents_committed = 0
 
     async def submit(self, intent: Intent) -> int:
         """Queue ``intent``; returns the commit revision or raises ``Conflict``/``StoreError``."""
-        self._queue.append(intent)
-        self._pump()
+        if self._pump.closed:
+            raise StoreError("scheduler shutting down")
+        self._pump.submit(intent)
         return await intent.future
 
-    def _pump(self) -> None:
-        while self._queue and self._inflight < self.max_inflight:
-            batch = self._take()
-            if not batch:
-                return
-            self._inflight += 1
-            task = asyncio.get_running_loop().create_task(self._flush(batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    def _take(self) -> list[Intent]:
+    def _take(self, queue: deque[Intent]) -> list[Intent]:
         batch: list[Intent] = []
         nodes: set[str] = set()
         workloads: set[str] = set()
         ops = 0
         kept: deque[Intent] = deque()
-        while self._queue:
-            intent = self._queue.popleft()
+        while queue:
+            intent = queue.popleft()
             if intent.future.done():
                 continue
             if intent.node_id in self._busy or intent.workload_id in workloads:
@@ -114,7 +103,7 @@ class PlacementBatcher:
             nodes.add(intent.node_id)
             workloads.add(intent.workload_id)
             ops += cost
-        self._queue = kept
+        queue.extend(kept)
         self._busy |= nodes
         return batch
 
@@ -209,10 +198,7 @@ class PlacementBatcher:
             for intent in original:
                 settle(intent.future, error=StoreError("placement not committed"))
             self._busy -= nodes
-            self._inflight -= 1
             self._forget_stale()
-            if not self._closed:
-                self._pump()
 
     def _forget_stale(self) -> None:
         """Drop remembered commits the projection has caught up with (bounded memory)."""
@@ -223,13 +209,5 @@ class PlacementBatcher:
                 del self._committed[node_id]
 
     async def aclose(self) -> None:
-        self._closed = True
-        for intent in self._queue:
-            if not intent.future.done():
-                intent.future.set_exception(StoreError("scheduler shutting down"))
-        self._queue.clear()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._pump.aclose(
+            lambda intent: settle(intent.future, error=StoreError("scheduler shutting down")))
