@@ -54,6 +54,11 @@ class Metrics:
             namespace=ns, subsystem=sub, registry=r,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
         )
+        self.gc_pause = Histogram(
+            "gc_pause_seconds", "garbage collection pauses by generation", ["generation"],
+            namespace=ns, subsystem=sub, registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+        )
         self.reconcile_cycles = Counter(
             "reconcile_cycles", "reconcile cycles run", namespace=ns, subsystem=sub, registry=r,
         )

@@ -1,4 +1,4 @@
-"""Event-loop lag: how late a timer fires on the scheduler's one event loop.
+"""Process health: event-loop lag, garbage-collection pauses, and the collector settings.
 
 Why: every RPC, watch delivery and event fan-out runs on one loop, so a callback that holds it
 (a large decode, a burst of agent replies) delays everything behind it. Operators need that as a
@@ -10,7 +10,9 @@ with its length so it can be grepped and matched against the work that ran then.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import time
 
 from prometheus_client import Histogram
 
@@ -28,3 +30,52 @@ async def probe_loop_lag(histogram: Histogram, *, interval: float = 0.05,
         histogram.observe(lag)
         if lag >= warn_after:
             log.warning("event loop stalled lag_ms=%.0f", lag * 1000.0)
+
+
+class GcPauses:
+    """Times every garbage collection (``gc.callbacks``) into a histogram by generation.
+
+    Why: a full collection walks every tracked object, and with 100,000 workloads in the
+    projections that is millions of objects; the collection holds the event loop for as long as
+    it runs. Long pauses are logged with their generation so a loop stall can be told apart
+    from a slow callback.
+    """
+
+    def __init__(self, histogram: Histogram, *, warn_after: float = 0.25) -> None:
+        self._histogram = histogram
+        self._warn_after = warn_after
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        generation = info.get("generation", 0)
+        self._histogram.labels(str(generation)).observe(pause)
+        if pause >= self._warn_after:
+            log.warning("garbage collection paused the process generation=%d pause_ms=%.0f "
+                        "collected=%d", generation, pause * 1000.0, info.get("collected", 0))
+
+    def install(self) -> None:
+        gc.callbacks.append(self)
+
+    def remove(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
+
+
+def tune_gc(*, young: int = 50_000, middle: int = 20, old: int = 100) -> None:
+    """Collector settings for a process whose heap is mostly long-lived projections.
+
+    With CPython's defaults (700, 10, 10) a young collection runs every 700 allocations, so the
+    short-lived objects of a reconcile cycle or a burst of heartbeats are still alive when it
+    runs, get promoted, and soon trigger a full collection that walks the whole heap: measured
+    at 5,000 nodes, one full collection every ~5 s pausing the loop for 250-860 ms while
+    collecting almost nothing. Larger thresholds let those objects die young (reference
+    counting frees them), and full collections become rare (CPython still runs one once the
+    promoted objects exceed a quarter of the heap). ``gc.freeze()`` first moves everything
+    allocated at start-up (modules, gRPC, settings) out of every future collection.
+    """
+    gc.freeze()
+    gc.set_threshold(young, middle, old)

@@ -35,7 +35,7 @@ from handlers.events import EventService
 from handlers.grpcmetrics import ServerMetrics
 from handlers.http import HttpEndpoint
 from handlers.leadership import LeaderGate
-from handlers.looplag import probe_loop_lag
+from handlers.looplag import GcPauses, probe_loop_lag
 from handlers.modes import ModeState
 from handlers.nodes import NodeCommands
 from handlers.placer import Placer
@@ -162,6 +162,7 @@ class Scheduler:
                                         buckets=build_buckets(os.environ))
         self.http = HttpEndpoint(self.metrics.registry, self.health)
         self.tasks = TaskOwner()
+        self.gc_pauses = GcPauses(self.metrics.gc_pause)
         self.grpc_server: grpc.aio.Server | None = None
         self.dns: DnsRegistration | None = None
         self.grpc_port = 0
@@ -205,6 +206,7 @@ class Scheduler:
         self.tasks.start("leader", self.leader.run)
         self.tasks.start("usage", self.usage.run)
         self.tasks.start("loop-lag", lambda: probe_loop_lag(self.metrics.event_loop_lag))
+        self.gc_pauses.install()
         await self._start_grpc()
         await self.http.start(self.settings.grpc_addr, self.settings.metrics_port)
         if self.settings.dns_enabled:
@@ -290,6 +292,7 @@ class Scheduler:
                 log.warning("shutdown step %s did not finish within %.0fs; going on", name,
                           timeout)
 
+        self.gc_pauses.remove()
         if self.grpc_server is not None:
             await step("grpc", self._stop_grpc())
         await step("step-down", self.leader.step_down())

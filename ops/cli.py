@@ -31,8 +31,10 @@ def _stop_event() -> asyncio.Event:
 
 
 async def _serve(settings: Settings) -> int:
+    from handlers.looplag import tune_gc
     from handlers.server import serve
 
+    tune_gc()  # this process is the scheduler: its heap is the projections
     await serve(settings, _stop_event())
     return 0
 
@@ -48,10 +50,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _dev(args: argparse.Namespace) -> int:
+    from handlers.looplag import tune_gc
     from handlers.server import Scheduler
     from ops.devstack import EtcdProcess, RedisProcess
     from ops.sim import Fleet, NodeBehaviour
 
+    tune_gc()
     data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(
         prefix="persys-dev-"))
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -108,7 +112,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    from handlers.looplag import tune_gc
     from ops.sim import run_sim
+
+    tune_gc()  # 5,000 simulated nodes are a large long-lived heap too: keep heartbeats on time
 
     configure_logging("warning", "text")
     return asyncio.run(run_sim(args))
