@@ -98,6 +98,23 @@ class _AllocationSums(Mapping[str, tuple[int, int]]):
         return len(self.sums)
 
 
+class _ConfirmHolds:
+    """Allocation listener: a hold ends once the node's allocation counts its workload."""
+
+    def __init__(self, reservations: Reservations) -> None:
+        self.reservations = reservations
+
+    def changed(
+        self, item_id: str, old: Item[Allocation] | None, new: Item[Allocation] | None
+    ) -> None:
+        if new is not None:
+            self.reservations.confirm_node(item_id, new.value.workloads)
+
+    def reset(self, items: dict[str, Item[Allocation]]) -> None:
+        for node_id, item in items.items():
+            self.reservations.confirm_node(node_id, item.value.workloads)
+
+
 class Placer:
     """Decides placements over this replica's projections."""
 
@@ -122,6 +139,7 @@ class Placer:
         cluster.nodes.listeners.append(self.nodes)
         cluster.allocations.listeners.append(self.allocated)
         self.reservations = Reservations(reservation_ttl, confirmed=self._allocation_has)
+        cluster.allocations.listeners.append(_ConfirmHolds(self.reservations))
 
     def _allocation_has(self, node_id: str, workload_id: str) -> bool:
         item = self.cluster.allocations.get(node_id)
