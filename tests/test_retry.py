@@ -555,3 +555,24 @@ def test_node_monitor_plan() -> None:
     assert result.lost == ("active-expired", "ready-expired")
     assert result.collect == ("old-notready",)
     assert plan_node_monitor(checks, now=T0, gc_after_s=0).collect == ()
+
+
+async def test_planning_in_slices_equals_one_plan() -> None:
+    """The loop plans in slices (yielding between them); the plan must not change."""
+    from handlers.loops import PLAN_SLICE, plan_in_slices
+
+    count = PLAN_SLICE * 2 + 17
+    states = ["Running", "Pending", "Failed", "Scheduled", "Stopped"]
+    specs = {f"w{i}": spec(f"w{i}") for i in range(count)}
+    statuses = {f"w{i}": status(f"w{i}", node=f"n{i % 7}" if i % 5 else "",
+                                state=states[i % len(states)], **APPLIED_LONG_AGO)
+                for i in range(count)}
+    nodes = {f"n{i}": node_view(f"n{i}", Node(node_id=f"n{i}", status="Ready"), alive=i != 3)
+             for i in range(7)}
+    obs = {"n1": NodeObservation("n1", True, {"w1": seen("Running", "w1")})}
+    kwargs = {"nodes": nodes, "observations": obs, "owns_node": lambda n: n != "n2",
+              "owns_unassigned": lambda w: hash(w) % 2 == 0, "now": T0, "policy": POLICY}
+    whole = plan_cycle(specs, statuses, **kwargs)
+    sliced = await plan_in_slices(specs, statuses, **kwargs)
+    assert sliced == whole
+    assert len(whole.actions) > PLAN_SLICE
