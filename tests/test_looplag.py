@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from handlers.looplag import GcPauses, probe_loop_lag, tune_gc
+from tests.fixtures.waiting import wait_for
 
 
 async def test_a_stall_is_recorded_and_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -18,13 +19,11 @@ async def test_a_stall_is_recorded_and_logged(caplog: pytest.LogCaptureFixture) 
     lag = Histogram("lag_seconds", "lag", registry=registry, buckets=(0.05, 0.1, 1.0))
     probe = asyncio.create_task(probe_loop_lag(lag, interval=0.01, warn_after=0.1))
     try:
-        await asyncio.sleep(0.05)  # the probe is sleeping on its timer now
+        await asyncio.sleep(0)  # the probe starts and waits on its timer
         with caplog.at_level(logging.WARNING, logger="persys.looplag"):
-            time.sleep(0.2)  # noqa: ASYNC251 - deliberately holds the loop, as a blocking call would
-            deadline = time.monotonic() + 5.0
-            while not any("stalled" in r.message for r in caplog.records):
-                assert time.monotonic() < deadline, "the stall was never reported"
-                await asyncio.sleep(0.01)
+            time.sleep(0.2)  # noqa: ASYNC251  # allowed: deliberately holds the loop
+            await wait_for(lambda: any("stalled" in r.message for r in caplog.records),
+                           message="the stall was never reported")
     finally:
         probe.cancel()
         await asyncio.gather(probe, return_exceptions=True)
