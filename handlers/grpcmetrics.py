@@ -32,6 +32,15 @@ def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> 
     return "UNKNOWN"
 
 
+#: handler kind, its constructor, and whether the response is a stream
+_KINDS: tuple[tuple[str, Callable[..., grpc.RpcMethodHandler], bool], ...] = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+)
+
+
 class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Counts and times every RPC the server answers."""
 
@@ -52,26 +61,13 @@ class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
         method: str = details.method
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+        for kind, make, streams in _KINDS:
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                wrap = self._wrap_stream if streams else self._wrap_unary
+                return make(wrap(method, behavior),
+                            request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
         return handler
 
     def _wrap_unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
