@@ -108,6 +108,8 @@ INSTANCE_ID_METADATA = "x-persys-instance-id"
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
 REGISTER_BACKOFF_START_S = 1.0
 REGISTER_BACKOFF_MAX_S = 30.0
+#: how often a held node checks whether its control loop may go on
+HOLD_RECHECK_S = 0.5
 #: The Go agent re-registers when no heartbeat answer refreshed its lease for this long.
 AGENT_LEASE_S = 180.0
 AGENT_VERSION = "sim"
@@ -829,6 +831,8 @@ class Fleet:
         self._registrations = asyncio.Event()
         self._started = False
         self._stopped = False
+        #: while set, no node registers or heartbeats (tests that need the agents silent)
+        self._held = False
         #: Seconds start() took (servers up, registration scheduled).
         self.start_s = 0.0
 
@@ -959,6 +963,14 @@ class Fleet:
                 len(self._nodes),
             )
 
+    def hold_control(self, held: bool) -> None:
+        """Postpone every register and heartbeat while ``held`` (a control plane gone quiet).
+
+        For tests whose injected state a heartbeat would repair before they observe it; the
+        agents keep serving AgentService meanwhile.
+        """
+        self._held = held
+
     def _schedule(self, node: SimNode, delay: float) -> None:
         self._clock.call_later(delay, partial(self._enqueue, node, node.control.gen))
 
@@ -974,6 +986,9 @@ class Fleet:
         while True:
             node, gen = await self._queue.get()
             if node.control.gen != gen or not node.alive:
+                continue
+            if self._held:
+                self._schedule(node, HOLD_RECHECK_S)
                 continue
             try:
                 delay = await self._control_step(node, gen)

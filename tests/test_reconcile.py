@@ -455,6 +455,9 @@ async def test_each_drift_type_is_detected_and_remediated(etcd_server, redis_ser
         ids = ["killed", "relabelled", "old-rev", "moved"]
         await s.apply(ids)
         await wait_for(lambda: all(s.agent_state(w) == "Running" for w in ids), timeout=15)
+        # from here on no heartbeat at all: the first one after registration is spread over
+        # the interval and could otherwise land in this test's few seconds (a rare flake)
+        s.fleet.hold_control(True)
         await s.caught_up()
         a_node = s.holder("moved")
         other = next(n for n in s.fleet.nodes if n is not a_node)
