@@ -152,17 +152,18 @@ class Dispatcher:
             except StoreError as exc:
                 log.warning("delete finalisation failed workload_id=%s: %s", workload_id, exc)
 
-    def forget_on(self, workload_id: str, node_id: str) -> None:
-        """Best-effort removal of a moved workload from the node it left."""
-        self._spawn(self._forget_on(workload_id, node_id))
+    def forget_on(self, workload_id: str, node_id: str, *, leader_only: bool = False) -> None:
+        """Best-effort removal of a moved workload from the node it left (``leader_only``: as
+        for ``apply``)."""
+        self._spawn(self._forget_on(workload_id, node_id, leader_only))
 
-    async def _forget_on(self, workload_id: str, node_id: str) -> None:
+    async def _forget_on(self, workload_id: str, node_id: str, leader_only: bool) -> None:
         async with self._sem:
             endpoint = self.endpoint(node_id)
             if endpoint is None:
                 return
             try:
-                await self.pool.delete(node_id, endpoint, workload_id)
+                await self.pool.delete(node_id, endpoint, workload_id, leader_only=leader_only)
             except (AgentError, NotLeader) as exc:
                 log.info("old copy not removed workload_id=%s node_id=%s: %s (drift cleans up)",
                          workload_id, node_id, exc)

@@ -561,8 +561,10 @@ class Relocator:
             except BaseException:
                 c.placer.release(workload_id)
                 raise
-            c.dispatcher.apply(spec, new_status.metadata, placed.node_id, spec.desired_state)
-            c.dispatcher.forget_on(workload_id, from_node)
+            # a fenced move is a leader loop's: its agent calls go out only while it leads
+            c.dispatcher.apply(spec, new_status.metadata, placed.node_id, spec.desired_state,
+                               leader_only=fenced)
+            c.dispatcher.forget_on(workload_id, from_node, leader_only=fenced)
             return "moved"
 
         return await retry_on_conflict(attempt)
