@@ -76,6 +76,18 @@ class Metrics:
             namespace=ns, subsystem=sub, registry=r,
             buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
         )
+        self.node_evictions = Counter(
+            "node_evictions", "lost nodes admitted by the disruption guard (workloads moved)",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.evictions_waiting = Gauge(
+            "evictions_waiting_nodes", "lost nodes with workloads waiting for admission",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.evictions_held = Gauge(
+            "evictions_held", "1 while the disruption guard holds every eviction",
+            namespace=ns, subsystem=sub, registry=r,
+        )
         self.heartbeats = Counter(
             "heartbeats", "heartbeats received", namespace=ns, subsystem=sub, registry=r,
         )

@@ -99,6 +99,9 @@ class Settings:
     heartbeat_interval_s: int = 60
     node_lease_ttl_s: int = 180
     node_gc_after_s: float = 24 * 3600.0
+    node_eviction_rate: float = 1.0
+    node_eviction_burst: int = 10
+    unhealthy_node_threshold: float = 0.55
     reservation_ttl_s: float = 90.0
     ha_mode: str = "failover"
     shard_count: int = 1
@@ -153,6 +156,18 @@ class _Reader:
             raise ConfigError(f"{name}: {number} is below the minimum {minimum}")
         if maximum is not None and number > maximum:
             raise ConfigError(f"{name}: {number} is above the maximum {maximum}")
+        return number
+
+    def number(self, name: str, default: float, *, minimum: float, maximum: float) -> float:
+        value = self.raw(name)
+        if value is None:
+            return default
+        try:
+            number = float(value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {value!r} is not a number") from exc
+        if not minimum <= number <= maximum:  # NaN fails this too
+            raise ConfigError(f"{name}: {value!r} is outside {minimum:g}..{maximum:g}")
         return number
 
     def duration(self, name: str, default: float, *, allow_zero: bool = True) -> float:
@@ -247,6 +262,11 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         heartbeat_interval_s=r.integer("SCHEDULER_HEARTBEAT_INTERVAL", 60, minimum=1),
         node_lease_ttl_s=r.integer("SCHEDULER_NODE_LEASE_TTL", 180, minimum=2),
         node_gc_after_s=r.duration("SCHEDULER_NODE_GC_AFTER", 24 * 3600.0),
+        node_eviction_rate=r.number("SCHEDULER_NODE_EVICTION_RATE", 1.0, minimum=0.0,
+                                    maximum=1e6),
+        node_eviction_burst=r.integer("SCHEDULER_NODE_EVICTION_BURST", 10, minimum=1),
+        unhealthy_node_threshold=r.number("SCHEDULER_UNHEALTHY_NODE_THRESHOLD", 0.55,
+                                          minimum=0.0, maximum=1.0),
         reservation_ttl_s=r.duration("SCHEDULER_RESERVATION_TTL", 90.0),
         ha_mode=ha_mode,
         shard_count=shard_count,

@@ -13,7 +13,8 @@ Drift detection (E7) reuses a cycle's prefetch: the drift loop only asks for it,
 
 The node monitor turns a Ready node whose liveness key expired into NotReady (``NodeLost``,
 source ``monitor``), moves its movable workloads (``Rescheduled``; node-local ones get
-``RescheduleSkipped`` once) and removes nodes NotReady for longer than
+``RescheduleSkipped`` once) once the disruption guard admits the node (``handlers.disruption``:
+a rate, and a hold while most of the shard looks down) and removes nodes NotReady for longer than
 ``SCHEDULER_NODE_GC_AFTER`` (``NodeLeft``). The Deleting finisher is the reconcile cycle's
 ``Delete``/``FinalizeDelete`` action: a workload still in Deleting is deleted on its agent again
 and finalised through ``Dispatcher.finalize``.
@@ -43,6 +44,7 @@ from eventsource.etcd import Compare, Delete, Put
 from eventsource.events import Event, rfc3339
 from eventsource.records import Allocation, Assignment, Node, WorkloadSpec, WorkloadStatus, encode
 from handlers.agents import AgentError
+from handlers.disruption import EvictionDecision, EvictionGate, EvictionPolicy
 from handlers.reconcile import (
     ADOPT_ACTIONS,
     ALIGN_STATUS,
@@ -165,13 +167,18 @@ class MonitorReport:
     lost: list[str] = field(default_factory=list)
     relocations: Counter[str] = field(default_factory=Counter)
     collected: list[str] = field(default_factory=list)
+    #: lost nodes admitted for eviction by this run, and those still waiting
+    evicted: tuple[str, ...] = ()
+    evictions_waiting: int = 0
+    disrupted: bool = False
 
 
 class _Shell:
     """What every loop shares: the scheduler's parts, and the fenced node-status write."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, evictions: EvictionGate) -> None:
         s = scheduler
+        self.evictions = evictions
         self.settings = s.settings
         self.cluster = s.cluster
         self.committer = s.committer
@@ -205,6 +212,17 @@ class _Shell:
             live = alive.get(node_id) is not None or alive.revision < item.mod_revision
             views[node_id] = node_view(node_id, item.value, alive=live)
         return views
+
+    def decide_evictions(self, views: Mapping[str, NodeView], now: datetime) -> EvictionDecision:
+        """Ask the disruption guard which lost owned nodes may have their workloads moved."""
+        owned = {n: v for n, v in views.items() if self.leader.owns(n)}
+        by_node = self.cluster.workloads.by_node
+        holding = [n for n, v in owned.items() if not v.available and by_node.get(n)]
+        decision = self.evictions.update(owned, holding, now=now.timestamp())
+        self.metrics.node_evictions.inc(len(decision.newly))
+        self.metrics.evictions_waiting.set(len(decision.waiting))
+        self.metrics.evictions_held.set(1 if decision.disrupted else 0)
+        return decision
 
     async def mark_not_ready(self, node_id: str, *, reason: str, source: str,
                              now: datetime) -> bool:
@@ -270,8 +288,8 @@ class ReconcileLoop(_Shell):
 
     name = "reconcile"
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        super().__init__(scheduler)
+    def __init__(self, scheduler: Scheduler, evictions: EvictionGate) -> None:
+        super().__init__(scheduler, evictions)
         self.interval_s = scheduler.settings.reconcile_interval_s
         self.dedup = DriftDeduper()
         self._lock = asyncio.Lock()
@@ -349,6 +367,7 @@ class ReconcileLoop(_Shell):
             views[node_id] = NodeView(node_id, old.exists, NOT_READY, old.alive, old.endpoint)
 
         await run_bounded(report.unreachable, self.concurrency, lost)
+        self.decide_evictions(views, now)
         # plain dicts: one C-speed pass, then every lookup of the plan is a dict lookup (a
         # Mapping wrapper cost a Python call per lookup, hundreds of thousands per cycle)
         specs = {k: item.value for k, item in self.cluster.specs.items.items()}
@@ -365,7 +384,8 @@ class ReconcileLoop(_Shell):
             owns_unassigned=lambda wid: owns_workload(
                 wid, shard_count=self.settings.shard_count if self.settings.active_active else 1,
                 shard_index=self.settings.shard_index),
-            now=now, policy=self.policy, exclude=adopted)
+            now=now, policy=self.policy, exclude=adopted,
+            evictable=lambda node_id: self.evictions.allows(node_id, views))
         report.actions = plan.counts()
         results = await self._execute(plan, views, report, now)
         if findings:
@@ -798,8 +818,9 @@ class NodeMonitor(_Shell):
 
     name = "node-monitor"
 
-    def __init__(self, scheduler: Scheduler, interval_s: float) -> None:
-        super().__init__(scheduler)
+    def __init__(self, scheduler: Scheduler, interval_s: float,
+                 evictions: EvictionGate) -> None:
+        super().__init__(scheduler, evictions)
         self.interval_s = interval_s
         self._lock = asyncio.Lock()
 
@@ -840,9 +861,16 @@ class NodeMonitor(_Shell):
                     source="monitor", now=when)
                 if changed:
                     report.lost.append(node_id)
-                    await self._relocate_all(node_id, report)
+
+            async def evict(node_id: str) -> None:
+                await self._relocate_all(node_id, report)
 
             await run_bounded(plan.lost, self.concurrency, lose)
+            decision = self.decide_evictions(self.node_views(), when)
+            report.evicted = decision.newly
+            report.evictions_waiting = len(decision.waiting)
+            report.disrupted = decision.disrupted
+            await run_bounded(decision.newly, self.concurrency, evict)
             for node_id in plan.collect:
                 if await self._collect(node_id, when):
                     report.collected.append(node_id)
@@ -910,8 +938,11 @@ def monitor_interval_s(settings: Settings) -> float:
 def register_loops(scheduler: Scheduler) -> None:
     """Build the leader-only loops and register them with the scheduler's ``LeaderGate``."""
     settings = scheduler.settings
-    reconcile = ReconcileLoop(scheduler)
-    monitor = NodeMonitor(scheduler, monitor_interval_s(settings))
+    evictions = EvictionGate(EvictionPolicy(
+        rate_per_s=settings.node_eviction_rate, burst=settings.node_eviction_burst,
+        unhealthy_threshold=settings.unhealthy_node_threshold))
+    reconcile = ReconcileLoop(scheduler, evictions)
+    monitor = NodeMonitor(scheduler, monitor_interval_s(settings), evictions)
     scheduler.leader.add_loop(reconcile.name, settings.reconcile_interval_s, reconcile)
     scheduler.leader.add_loop(monitor.name, monitor.interval_s, monitor)
     if settings.drift_detect_interval_s > 0:

@@ -12,7 +12,8 @@ Order of ``plan_workload`` (E4 ``ReconcileWorkload``, reshaped around the prefet
 2. terminal (retry budget exhausted, ``retry_terminal``, a non-retryable failure reason): halt;
 3. retry backoff gate (``retry.nextRetryAt`` ahead of now): wait;
 4. unassigned: place;
-5. node unavailable: move it (failover, ``Rescheduled``) unless it is node-local (it waits);
+5. node unavailable: move it (failover, ``Rescheduled``) unless it is node-local (it waits) or
+   the disruption guard has not admitted its node yet (``handlers.disruption``; it waits);
 6. observed vs desired: re-apply (guarded, bug I13), count a failure (retry budget), apply
    Stopped, settle (reset the bookkeeping after a success, bug I15), or nothing.
 
@@ -140,6 +141,7 @@ NOOP = "NoAction"
 BACKOFF_WAIT = "BackoffWait"
 REAPPLY_BACKOFF_WAIT = "ReapplyBackoffWait"
 AWAIT_NODE = "AwaitNodeReturn"
+AWAIT_EVICTION = "AwaitEviction"
 UNOBSERVED = "Unobserved"
 TERMINAL = "TerminalFailureNoReapply"
 SETTLING = "AwaitSettle"
@@ -206,7 +208,7 @@ def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy) -> s
 
 def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: ObservedWorkload | None,
                   *, node_available: bool, node_observed: bool, now: datetime,
-                  policy: RetryPolicy) -> Action:
+                  policy: RetryPolicy, evictable: bool = True) -> Action:
     """The one action for a workload this cycle (see the module docstring for the order).
 
     Args:
@@ -214,6 +216,7 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
             contain it (then ``node_observed`` says whether the list itself succeeded).
         node_available: the assigned node exists, is Ready/Active/Draining and alive.
         node_observed: the assigned node's ListWorkloads succeeded this cycle.
+        evictable: the disruption guard lets the workloads of the (unavailable) node move.
     """
     wid = spec.id or status.id
     node = node_of(status)
@@ -249,6 +252,9 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
     if not node_available:
         if is_node_local(spec, status.metadata):
             return act(AWAIT_NODE, "node-local workload waits for its node")
+        if not evictable:
+            return act(AWAIT_EVICTION, "assigned node unavailable; its eviction waits for the "
+                                       "disruption guard")
         return act(FAILOVER, "assigned node unavailable")
     if not node_observed:
         return act(UNOBSERVED, "its node's workload list is unknown this cycle")
@@ -321,12 +327,14 @@ def plan_cycle(
     now: datetime,
     policy: RetryPolicy,
     exclude: Collection[str] = (),
+    evictable: Callable[[str], bool] | None = None,
 ) -> CyclePlan:
     """Plan every workload this shard owns: those on its nodes, and its share of unassigned ones.
 
     Workloads without a status record are skipped (a create writes both in one transaction, so
     that is a half-visible projection, not a state to repair), and so are Completed and Deleted
-    ones (E4 step 2).
+    ones (E4 step 2). ``evictable(node_id)`` is the disruption guard's answer for unavailable
+    nodes (None: every node may be evicted).
     """
     actions: list[Action] = []
     for workload_id, spec in specs.items():
@@ -346,8 +354,10 @@ def plan_cycle(
         obs = observations.get(node) if node else None
         node_observed = obs is not None and obs.ok
         seen = obs.workloads.get(workload_id) if obs is not None and obs.ok else None
+        may_move = available or evictable is None or evictable(node)
         actions.append(plan_workload(spec, status, seen, node_available=available,
-                                     node_observed=node_observed, now=now, policy=policy))
+                                     node_observed=node_observed, now=now, policy=policy,
+                                     evictable=may_move))
     return CyclePlan(tuple(actions))
 
 
