@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import requests
 from etcd3gw import exceptions as etcd_exc
@@ -184,6 +184,13 @@ def parse_endpoint(endpoint: str) -> tuple[str, str, int]:
     return protocol, host.strip("[]"), int(port)
 
 
+#: the lanes of :class:`AsyncEtcd` (each its own thread pool)
+Lane = Literal["bulk", "session", "liveness"]
+BULK: Lane = "bulk"
+SESSION: Lane = "session"
+LIVENESS: Lane = "liveness"
+
+
 class AsyncEtcd:
     """etcd behind a bounded thread pool, with endpoint failover and uniform errors."""
 
@@ -198,12 +205,18 @@ class AsyncEtcd:
             raise ValueError("at least one etcd endpoint is required")
         self.endpoints = [e.strip() for e in endpoints if e.strip()]
         self.timeout = timeout
+        # Three lanes, because a call that waits in line behind bulk work can cost more than
+        # its own delay: this process's own sessions (leader, relay, DNS record) and its probe
+        # of etcd's health must never wait behind anything (a late keepalive costs leadership,
+        # a late probe declares etcd down); the fleet's liveness keepalives must not wait
+        # behind placements and status writes (at 5,000 nodes they timed out there and leases
+        # of healthy nodes expired). Keepalives are not Raft writes: they are cheap for etcd.
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="etcd")
-        # this process's own sessions (leader, relay, DNS record) must never queue behind bulk
-        # work, nor behind thousands of nodes' liveness keepalives: a keepalive that waits in
-        # line can cost leadership, so they get their own small lane
-        self._session_executor = ThreadPoolExecutor(max_workers=2,
-                                                    thread_name_prefix="etcd-session")
+        self._lanes = {
+            BULK: self._executor,
+            SESSION: ThreadPoolExecutor(max_workers=2, thread_name_prefix="etcd-session"),
+            LIVENESS: ThreadPoolExecutor(max_workers=4, thread_name_prefix="etcd-liveness"),
+        }
         self._local = threading.local()
         self._pool_size = max_workers
         self._current = 0
@@ -262,13 +275,13 @@ class AsyncEtcd:
         raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
 
     async def post(self, path: str, body: dict[str, Any], *,
-                   session: bool = False) -> dict[str, Any]:
-        """One gateway call on the etcd pool (``session``: on the lane kept for this
-        process's own leases), bounded by the client timeout."""
+                   lane: Lane = BULK) -> dict[str, Any]:
+        """One gateway call on one of the lanes (see ``__init__``), bounded by the client
+        timeout (which includes the wait for a thread of the lane)."""
         if self._closed:
             raise Unavailable("etcd client closed")
         loop = asyncio.get_running_loop()
-        executor = self._session_executor if session else self._executor
+        executor = self._lanes[lane]
         future = loop.run_in_executor(executor, self._post_blocking, path, body)
         deadline = self.timeout * len(self.endpoints) + 1.0
         try:
@@ -277,11 +290,11 @@ class AsyncEtcd:
             raise Unavailable(f"etcd {path}: timed out after {deadline:.1f}s") from exc
 
     # -- key-value --------------------------------------------------------------------------
-    async def get(self, key: str, *, revision: int = 0) -> KeyValue | None:
+    async def get(self, key: str, *, revision: int = 0, lane: Lane = BULK) -> KeyValue | None:
         body: dict[str, Any] = {"key": b64(key)}
         if revision:
             body["revision"] = str(revision)
-        result = await self.post("/kv/range", body)
+        result = await self.post("/kv/range", body, lane=lane)
         kvs = result.get("kvs", [])
         return KeyValue.from_json(kvs[0]) if kvs else None
 
@@ -294,6 +307,7 @@ class AsyncEtcd:
         limit: int = 0,
         keys_only: bool = False,
         count_only: bool = False,
+        lane: Lane = BULK,
     ) -> RangeResult:
         """One page of a prefix range, optionally pinned to ``revision``."""
         body: dict[str, Any] = {
@@ -308,7 +322,7 @@ class AsyncEtcd:
             body["keys_only"] = True
         if count_only:
             body["count_only"] = True
-        result = await self.post("/kv/range", body)
+        result = await self.post("/kv/range", body, lane=lane)
         header_rev = int(result.get("header", {}).get("revision", 0))
         return RangeResult(
             kvs=[KeyValue.from_json(kv) for kv in result.get("kvs", [])],
@@ -378,34 +392,34 @@ class AsyncEtcd:
         await self.post("/kv/compaction", {"revision": str(revision), "physical": True})
 
     # -- leases -----------------------------------------------------------------------------
-    async def lease_grant(self, ttl: int, *, session: bool = True) -> int:
-        """A new lease. ``session=False`` for leases that are not this process's own (node
-        liveness): they go with the bulk work, never in the way of our own sessions."""
-        result = await self.post("/lease/grant", {"TTL": str(ttl)}, session=session)
+    async def lease_grant(self, ttl: int, *, lane: Lane = SESSION) -> int:
+        """A new lease, by default on this process's session lane; node liveness leases go
+        on ``LIVENESS``."""
+        result = await self.post("/lease/grant", {"TTL": str(ttl)}, lane=lane)
         return int(result["ID"])
 
-    async def lease_keepalive(self, lease_id: int, *, session: bool = True) -> int:
+    async def lease_keepalive(self, lease_id: int, *, lane: Lane = SESSION) -> int:
         """Renew a lease; returns its TTL. A keepalive is not a Raft write."""
-        result = await self.post("/lease/keepalive", {"ID": str(lease_id)}, session=session)
+        result = await self.post("/lease/keepalive", {"ID": str(lease_id)}, lane=lane)
         ttl = int(result.get("result", {}).get("TTL", 0))
         if ttl <= 0:
             raise LeaseLost(f"lease {lease_id:x} expired")
         return ttl
 
-    async def lease_revoke(self, lease_id: int, *, session: bool = True) -> None:
+    async def lease_revoke(self, lease_id: int, *, lane: Lane = SESSION) -> None:
         try:
-            await self.post("/lease/revoke", {"ID": str(lease_id)}, session=session)
+            await self.post("/lease/revoke", {"ID": str(lease_id)}, lane=lane)
         except LeaseLost:
             return
 
     async def health(self) -> bool:
         try:
-            await self.get("/health")
+            await self.get("/health", lane=SESSION)
         except Unavailable:
             return False
         return True
 
     def close(self) -> None:
         self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._session_executor.shutdown(wait=False, cancel_futures=True)
+        for executor in self._lanes.values():
+            executor.shutdown(wait=False, cancel_futures=True)

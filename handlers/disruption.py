@@ -149,7 +149,8 @@ class EvictionGate:
         elif previous and previous.disrupted and not decision.disrupted:
             log.warning("evictions resumed unavailable=%d owned=%d", len(unavailable),
                         len(views))
-        if decision.waiting and not decision.disrupted:
+        waited = len(previous.waiting) if previous and not previous.disrupted else 0
+        if decision.waiting and not decision.disrupted and len(decision.waiting) != waited:
             log.info("evictions rate-limited waiting=%d admitted=%d rate_per_s=%g",
                      len(decision.waiting), len(decision.admitted), self.policy.rate_per_s)
         self.decision = decision

@@ -13,7 +13,7 @@ import logging
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, StoreError
-from eventsource.etcd import AsyncEtcd, Compare, Put
+from eventsource.etcd import BULK, SESSION, AsyncEtcd, Compare, Lane, Put
 from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
 from handlers.modes import ModeState, Probe, decide_mode
@@ -21,11 +21,11 @@ from handlers.modes import ModeState, Probe, decide_mode
 log = logging.getLogger("persys.mode")
 
 
-async def has_state(etcd: AsyncEtcd, layout: KeyLayout) -> bool:
+async def has_state(etcd: AsyncEtcd, layout: KeyLayout, *, lane: Lane = BULK) -> bool:
     """Whether etcd holds any node, workload or assignment (one key is enough)."""
     for prefix in (layout.nodes_prefix, layout.specs_prefix, layout.statuses_prefix,
                    layout.assignments_prefix):
-        page = await etcd.range_prefix(prefix, limit=1, keys_only=True)
+        page = await etcd.range_prefix(prefix, limit=1, keys_only=True, lane=lane)
         if page.kvs:
             return True
     return False
@@ -47,8 +47,11 @@ class ModeSupervisor:
 
     async def probe(self) -> Probe:
         try:
-            marker = await self.etcd.get(self.layout.initialized)
-            state = await has_state(self.etcd, self.layout)
+            # on the session lane: the probe asks whether etcd answers, not how long this
+            # process's own queue of writes is (a probe queued behind a placement burst timed
+            # out and put a healthy replica in degraded mode)
+            marker = await self.etcd.get(self.layout.initialized, lane=SESSION)
+            state = await has_state(self.etcd, self.layout, lane=SESSION)
         except StoreError as exc:
             return Probe(etcd_ok=False, initialized=False, has_state=False,
                          allow_empty_state=self.allow_empty_state, error=str(exc))
