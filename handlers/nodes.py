@@ -24,7 +24,7 @@ from typing import Any
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, LeaseLost, StoreError
-from eventsource.etcd import LIVENESS, AsyncEtcd, Compare, Put
+from eventsource.etcd import BULK, AsyncEtcd, Compare, Put
 from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
@@ -241,7 +241,7 @@ class NodeCommands:
             if not self.renewals.due(node_id, lease, now):
                 return
             try:
-                await self.etcd.lease_keepalive(lease, lane=LIVENESS)
+                await self.etcd.lease_keepalive(lease, lane=BULK)
                 self.renewals.renewed(node_id, lease, now)
                 return
             except LeaseLost:
@@ -249,7 +249,7 @@ class NodeCommands:
         asked = self.clock.monotonic()
         lease = await self.etcd.lease_grant(
             lease_ttl(self.settings.node_lease_ttl_s, self.settings.heartbeat_interval_s),
-            lane=LIVENESS)
+            lane=BULK)
         self.renewals.renewed(node_id, lease, asked)
         change.compares.append(Compare.mod(key, mod))
         change.puts.append(Put(key, self.settings.instance_id.encode(), lease=lease,
