@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 
 class ConfigError(ValueError):
@@ -129,6 +129,16 @@ class Settings:
         return replace(self, **changes)
 
 
+N = TypeVar("N", int, float)
+
+
+def _convert(name: str, value: str, convert: Callable[[str], N], what: str) -> N:
+    try:
+        return convert(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {value!r} is not {what}") from exc
+
+
 class _Reader:
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = env
@@ -148,10 +158,7 @@ class _Reader:
         value = self.raw(name)
         if value is None:
             return default
-        try:
-            number = int(value)
-        except ValueError as exc:
-            raise ConfigError(f"{name}: {value!r} is not an integer") from exc
+        number = _convert(name, value, int, "an integer")
         if minimum is not None and number < minimum:
             raise ConfigError(f"{name}: {number} is below the minimum {minimum}")
         if maximum is not None and number > maximum:
@@ -162,10 +169,7 @@ class _Reader:
         value = self.raw(name)
         if value is None:
             return default
-        try:
-            number = float(value)
-        except ValueError as exc:
-            raise ConfigError(f"{name}: {value!r} is not a number") from exc
+        number = _convert(name, value, float, "a number")
         if not minimum <= number <= maximum:  # NaN fails this too
             raise ConfigError(f"{name}: {value!r} is outside {minimum:g}..{maximum:g}")
         return number

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from eventsource.etcd import Delete
 from eventsource.records import WorkloadSpec, WorkloadStatus
+from handlers.config import ConfigError, load_settings
 from handlers.disruption import (
     Bucket,
     EvictionGate,
@@ -246,3 +247,21 @@ async def test_most_nodes_lost_at_once_hold_every_eviction(
         assert {w: s.status(w).node_id for w in everything} == {
             w: n for n, ids in on.items() for w in ids}
         assert await s.events("Rescheduled") == []
+
+
+def test_settings_read_and_reject_with_the_variable_named() -> None:
+    settings = load_settings({"SCHEDULER_NODE_EVICTION_RATE": "0.5",
+                              "SCHEDULER_NODE_EVICTION_BURST": "3",
+                              "SCHEDULER_UNHEALTHY_NODE_THRESHOLD": "0.7"})
+    assert (settings.node_eviction_rate, settings.node_eviction_burst,
+            settings.unhealthy_node_threshold) == (0.5, 3, 0.7)
+    defaults = load_settings({})
+    assert (defaults.node_eviction_rate, defaults.node_eviction_burst,
+            defaults.unhealthy_node_threshold) == (1.0, 10, 0.55)
+    for name, value in [("SCHEDULER_NODE_EVICTION_RATE", "fast"),
+                        ("SCHEDULER_NODE_EVICTION_RATE", "-1"),
+                        ("SCHEDULER_UNHEALTHY_NODE_THRESHOLD", "1.5"),
+                        ("SCHEDULER_UNHEALTHY_NODE_THRESHOLD", "nan"),
+                        ("SCHEDULER_NODE_EVICTION_BURST", "0")]:
+        with pytest.raises(ConfigError, match=name):
+            load_settings({name: value})
