@@ -217,7 +217,7 @@ class _Shell:
         """Ask the disruption guard which lost owned nodes may have their workloads moved."""
         owned = {n: v for n, v in views.items() if self.leader.owns(n)}
         by_node = self.cluster.workloads.by_node
-        holding = [n for n, v in owned.items() if not v.available and by_node.get(n)]
+        holding = [n for n in owned if by_node.get(n)]  # the gate keeps the unavailable
         decision = self.evictions.update(owned, holding, now=now.timestamp())
         self.metrics.node_evictions.inc(len(decision.newly))
         self.metrics.evictions_waiting.set(len(decision.waiting))
@@ -862,15 +862,13 @@ class NodeMonitor(_Shell):
                 if changed:
                     report.lost.append(node_id)
 
-            async def evict(node_id: str) -> None:
-                await self._relocate_all(node_id, report)
-
             await run_bounded(plan.lost, self.concurrency, lose)
             decision = self.decide_evictions(self.node_views(), when)
             report.evicted = decision.newly
             report.evictions_waiting = len(decision.waiting)
             report.disrupted = decision.disrupted
-            await run_bounded(decision.newly, self.concurrency, evict)
+            await run_bounded(decision.newly, self.concurrency,
+                              lambda node_id: self._relocate_all(node_id, report))
             for node_id in plan.collect:
                 if await self._collect(node_id, when):
                     report.collected.append(node_id)
