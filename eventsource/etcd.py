@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import requests
 from etcd3gw import exceptions as etcd_exc
@@ -27,6 +28,8 @@ from eventsource.keys import prefix_end
 from eventsource.lean_http import LeanSession
 
 log = logging.getLogger("persys.etcd")
+
+T = TypeVar("T")
 
 
 def b64(data: bytes | str) -> str:
@@ -236,10 +239,22 @@ class AsyncEtcd:
                 timeout=self.timeout,
                 api_path="/v3/",
                 # one keep-alive connection without requests' per-call machinery (lean_http)
-                session=LeanSession(protocol, host, port),  # type: ignore[arg-type]
+                session=self._session(index),  # type: ignore[arg-type]
             )
             clients[index] = client
         return client
+
+    def _session(self, index: int) -> LeanSession:
+        """This thread's connection to endpoint ``index`` (shared with its etcd3gw client)."""
+        sessions: dict[int, LeanSession] | None = getattr(self._local, "sessions", None)
+        if sessions is None:
+            sessions = {}
+            self._local.sessions = sessions
+        session = sessions.get(index)
+        if session is None:
+            session = LeanSession(*parse_endpoint(self.endpoints[index]))
+            sessions[index] = session
+        return session
 
     @property
     def base_url(self) -> str:
@@ -272,20 +287,49 @@ class AsyncEtcd:
             return dict(result)
         raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
 
-    async def post(self, path: str, body: dict[str, Any], *,
-                   lane: Lane = BULK) -> dict[str, Any]:
-        """One gateway call on one of the lanes (see ``__init__``), bounded by the client
-        timeout (which includes the wait for a thread of the lane)."""
+    def _post_stream_blocking(self, path: str, requests_: Sequence[dict[str, Any]]
+                              ) -> list[dict[str, Any]]:
+        """One call of a streaming gateway method: the requests go newline-delimited in one
+        body, and the answers come back the same way, one ``{"result": ...}`` per request."""
+        body = b"\n".join(json.dumps(r, separators=(",", ":")).encode() for r in requests_)
+        last: Exception | None = None
+        for attempt in range(len(self.endpoints)):
+            index = (self._current + attempt) % len(self.endpoints)
+            session = self._session(index)
+            try:
+                response = session.post_bytes(f"/v3{path}", body, timeout=self.timeout)
+            except requests.RequestException as exc:
+                last = exc
+                continue
+            if response.status_code != 200:
+                raise Unavailable(f"etcd {path}: HTTP {response.status_code} {response.text}")
+            if index != self._current:
+                log.warning("etcd endpoint failover to %s", self.endpoints[index])
+                self._current = index
+            answers = [json.loads(line) for line in response.body.splitlines() if line.strip()]
+            for answer in answers:
+                if "error" in answer:
+                    raise Unavailable(f"etcd {path}: {answer['error']}")
+            return answers
+        raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
+
+    async def _in_lane(self, lane: Lane, what: str, call: Callable[[], T]) -> T:
+        """Run a blocking call on a lane's pool, bounded by the client timeout (which
+        includes the wait for a thread of the lane)."""
         if self._closed:
             raise Unavailable("etcd client closed")
         loop = asyncio.get_running_loop()
-        executor = self._lanes[lane]
-        future = loop.run_in_executor(executor, self._post_blocking, path, body)
+        future = loop.run_in_executor(self._lanes[lane], call)
         deadline = self.timeout * len(self.endpoints) + 1.0
         try:
             return await asyncio.wait_for(future, timeout=deadline)
         except TimeoutError as exc:
-            raise Unavailable(f"etcd {path}: timed out after {deadline:.1f}s") from exc
+            raise Unavailable(f"etcd {what}: timed out after {deadline:.1f}s") from exc
+
+    async def post(self, path: str, body: dict[str, Any], *,
+                   lane: Lane = BULK) -> dict[str, Any]:
+        """One gateway call on one of the lanes (see ``__init__``)."""
+        return await self._in_lane(lane, path, lambda: self._post_blocking(path, body))
 
     # -- key-value --------------------------------------------------------------------------
     async def get(self, key: str, *, revision: int = 0, lane: Lane = BULK) -> KeyValue | None:
@@ -403,6 +447,25 @@ class AsyncEtcd:
         if ttl <= 0:
             raise LeaseLost(f"lease {lease_id:x} expired")
         return ttl
+
+    async def lease_keepalive_many(self, lease_ids: Sequence[int], *,
+                                   lane: Lane = BULK) -> dict[int, int]:
+        """Renew several leases in one gateway call; returns each lease's TTL, 0 for a lease
+        that no longer exists. Cheaper than one call per lease by about the number of leases:
+        the cost of a gateway call is the call, not the lease."""
+        if not lease_ids:
+            return {}
+        requests_ = [{"ID": str(lease_id)} for lease_id in lease_ids]
+        answers = await self._in_lane(
+            lane, "/lease/keepalive",
+            lambda: self._post_stream_blocking("/lease/keepalive", requests_))
+        ttls = {lease_id: 0 for lease_id in lease_ids}
+        for answer in answers:
+            result = answer.get("result", {})
+            lease_id = int(result.get("ID", 0))
+            if lease_id in ttls:
+                ttls[lease_id] = int(result.get("TTL", 0))
+        return ttls
 
     async def lease_revoke(self, lease_id: int, *, lane: Lane = SESSION) -> None:
         try:

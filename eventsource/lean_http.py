@@ -70,7 +70,10 @@ class LeanSession:
              **_: Any) -> LeanResponse:
         # etcd3gw builds "<protocol>://<host>:<port><path>"; only the path is sent
         path = url[url.index("/", len(self._prefix)):] if url.startswith(self._prefix) else url
-        body = _dumps(json)
+        return self.post_bytes(path, _dumps(json), timeout=timeout)
+
+    def post_bytes(self, path: str, body: bytes, *, timeout: float | None = None) -> LeanResponse:
+        """POST a body as it is: a streaming gateway method takes newline-delimited JSON."""
         conn = self._connection(timeout)
         try:
             conn.request("POST", path, body, {"Content-Type": "application/json"})

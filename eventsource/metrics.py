@@ -91,6 +91,14 @@ class Metrics:
         self.heartbeats = Counter(
             "heartbeats", "heartbeats received", namespace=ns, subsystem=sub, registry=r,
         )
+        self.lease_keepalive_calls = Counter(
+            "lease_keepalive_calls", "etcd gateway calls that renewed node liveness leases",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.lease_keepalives = Counter(
+            "lease_keepalives", "node liveness lease renewals sent (several per call)",
+            namespace=ns, subsystem=sub, registry=r,
+        )
         self.events_relayed = Counter(
             "events_relayed", "events appended to the stream by the relay",
             namespace=ns, subsystem=sub, registry=r,

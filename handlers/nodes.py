@@ -2,7 +2,8 @@
 
 Liveness without a write per heartbeat: each node has an etcd lease attached to
 ``/persys/scheduler/alive/<node>``. A heartbeat, on whichever replica receives it, renews that
-lease (a keepalive is not a Raft write; about every other heartbeat, see ``handlers.liveness``);
+lease (a keepalive is not a Raft write; about every other heartbeat, see ``handlers.liveness``,
+and many heartbeats' renewals share one gateway call, see ``eventsource.keepalives``);
 when it expires etcd deletes the key and the leader's node monitor sees the delete. The node
 record is rewritten only when something in it changes
 (registration data, a NotReady -> Ready transition, an operator action). Workload states reported
@@ -26,6 +27,7 @@ from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, LeaseLost, StoreError
 from eventsource.etcd import BULK, AsyncEtcd, Compare, Put
 from eventsource.events import Event, rfc3339
+from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, Resources, Taint, WorkloadStatus, encode
@@ -115,8 +117,10 @@ class NodeCommands:
         layout: KeyLayout,
         settings: Settings,
         metrics: Metrics,
+        keepalives: KeepaliveBatcher,
     ) -> None:
         self.etcd = etcd
+        self.keepalives = keepalives
         self.cluster = cluster
         self.committer = committer
         self.writer = writer
@@ -241,7 +245,7 @@ class NodeCommands:
             if not self.renewals.due(node_id, lease, now):
                 return
             try:
-                await self.etcd.lease_keepalive(lease, lane=BULK)
+                await self.keepalives.renew(lease)
                 self.renewals.renewed(node_id, lease, now)
                 return
             except LeaseLost:

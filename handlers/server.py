@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from eventsource.clock import Clock, SystemClock
 from eventsource.commit import Committer
 from eventsource.etcd import AsyncEtcd
+from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.stream import RedisEventLog, StreamTailer, writer_client
@@ -138,10 +139,12 @@ class Scheduler:
         self.usage = UsageSink(self.usage_redis, meter_stream=settings.meter_stream,
                                meter_maxlen=settings.meter_stream_maxlen,
                                meter_enabled=settings.meter_stream_enabled)
+        self.keepalives = KeepaliveBatcher(self.etcd, metrics=self.metrics)
         self.nodes = NodeCommands(etcd=self.etcd, cluster=self.cluster, committer=self.committer,
                                   writer=self.writer, relocator=self.relocator, usage=self.usage,
                                   mode=self.mode, clock=self.clock, layout=self.layout,
-                                  settings=settings, metrics=self.metrics)
+                                  settings=settings, metrics=self.metrics,
+                                  keepalives=self.keepalives)
         self.event_log: RedisEventLog | None = None
         self.tailer: StreamTailer | None = None
         self.events: EventService | None = None
@@ -302,6 +305,7 @@ class Scheduler:
         if self.relay is not None and hasattr(self.relay, "aclose"):
             await step("relay", self.relay.aclose())
         await step("batcher", self.batcher.aclose())
+        await step("keepalives", self.keepalives.aclose())
         await step("dispatcher", self.dispatcher.aclose())
         await self.tasks.stop()
         if self.tailer is not None:
