@@ -78,6 +78,7 @@ class KeepaliveBatcher:
                                                       name="lease-keepalive-batch")
         self._tasks.add(task)
         task.add_done_callback(self._finished)
+        self._schedule()  # more than a batch waited: the rest may go in a second call
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
