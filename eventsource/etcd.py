@@ -187,6 +187,16 @@ def parse_endpoint(endpoint: str) -> tuple[str, str, int]:
     return protocol, host.strip("[]"), int(port)
 
 
+#: answers etcd3gw treats as a connection failure (so the next endpoint is tried)
+RETRY_ELSEWHERE = frozenset({408, 503, 504})
+
+#: etcd 3.5's gateway decodes a streaming request body 512 bytes at a time, and Go's HTTP/1.1
+#: server discards what is still unread once the first answer is flushed: only the requests in
+#: the first 512 bytes are sure to be answered (measured: 17 answers for 64 or 256 keepalives).
+STREAM_BODY_MAX = 512
+#: keepalives per call: ``{"ID":"<up to 19 digits>"}`` plus a newline is at most 29 bytes
+KEEPALIVE_BATCH_MAX = STREAM_BODY_MAX // 32
+
 #: the lanes of :class:`AsyncEtcd` (each its own thread pool)
 Lane = Literal["bulk", "session"]
 BULK: Lane = "bulk"
@@ -290,27 +300,50 @@ class AsyncEtcd:
     def _post_stream_blocking(self, path: str, requests_: Sequence[dict[str, Any]]
                               ) -> list[dict[str, Any]]:
         """One call of a streaming gateway method: the requests go newline-delimited in one
-        body, and the answers come back the same way, one ``{"result": ...}`` per request."""
+        body, and the answers come back the same way, one ``{"result": ...}`` per request.
+
+        Returns the results received, in order; fewer than the requests when the gateway
+        stopped early (see ``STREAM_BODY_MAX``). Like ``_post_blocking``, a transport error or
+        an answer that etcd3gw would call a connection failure (HTTP 408/503/504, in the status
+        or in an error line before any result) moves on to the next endpoint."""
         body = b"\n".join(json.dumps(r, separators=(",", ":")).encode() for r in requests_)
-        last: Exception | None = None
+        last: Exception | str | None = None
         for attempt in range(len(self.endpoints)):
             index = (self._current + attempt) % len(self.endpoints)
-            session = self._session(index)
             try:
-                response = session.post_bytes(f"/v3{path}", body, timeout=self.timeout)
+                response = self._session(index).post_bytes(f"/v3{path}", body,
+                                                           timeout=self.timeout)
             except requests.RequestException as exc:
                 last = exc
                 continue
+            if response.status_code in RETRY_ELSEWHERE:
+                last = f"HTTP {response.status_code} {response.text[:200]}"
+                continue
             if response.status_code != 200:
-                raise Unavailable(f"etcd {path}: HTTP {response.status_code} {response.text}")
+                raise Unavailable(f"etcd {path}: HTTP {response.status_code} "
+                                  f"{response.text[:200]}")
+            results: list[dict[str, Any]] = []
+            error: dict[str, Any] | None = None
+            try:
+                for line in response.body.splitlines():
+                    if not line.strip():
+                        continue
+                    answer = json.loads(line)
+                    if "error" in answer:
+                        error = dict(answer["error"] or {})
+                        break
+                    results.append(dict(answer.get("result") or {}))
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise Unavailable(f"etcd {path}: unreadable answer: {exc}") from exc
+            if error is not None and not results:
+                if int(error.get("http_code", 0) or 0) in RETRY_ELSEWHERE:
+                    last = str(error.get("message", error))
+                    continue
+                raise Unavailable(f"etcd {path}: {error.get('message', error)}")
             if index != self._current:
                 log.warning("etcd endpoint failover to %s", self.endpoints[index])
                 self._current = index
-            answers = [json.loads(line) for line in response.body.splitlines() if line.strip()]
-            for answer in answers:
-                if "error" in answer:
-                    raise Unavailable(f"etcd {path}: {answer['error']}")
-            return answers
+            return results
         raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
 
     async def _in_lane(self, lane: Lane, what: str, call: Callable[[], T]) -> T:
@@ -450,21 +483,30 @@ class AsyncEtcd:
 
     async def lease_keepalive_many(self, lease_ids: Sequence[int], *,
                                    lane: Lane = BULK) -> dict[int, int]:
-        """Renew several leases in one gateway call; returns each lease's TTL, 0 for a lease
-        that no longer exists. Cheaper than one call per lease by about the number of leases:
-        the cost of a gateway call is the call, not the lease."""
+        """Renew up to ``KEEPALIVE_BATCH_MAX`` leases in one gateway call.
+
+        Returns the TTL etcd answered for each lease, 0 for a lease that no longer exists; a
+        lease etcd did not answer is missing (the caller must not take it as expired). The
+        client-side cost of a gateway call is the call, not the lease; etcd still renews each
+        lease on its own."""
         if not lease_ids:
             return {}
+        if len(lease_ids) > KEEPALIVE_BATCH_MAX:
+            raise ValueError(f"at most {KEEPALIVE_BATCH_MAX} leases per call, got "
+                             f"{len(lease_ids)}")
         requests_ = [{"ID": str(lease_id)} for lease_id in lease_ids]
-        answers = await self._in_lane(
+        results = await self._in_lane(
             lane, "/lease/keepalive",
             lambda: self._post_stream_blocking("/lease/keepalive", requests_))
-        ttls = {lease_id: 0 for lease_id in lease_ids}
-        for answer in answers:
-            result = answer.get("result", {})
-            lease_id = int(result.get("ID", 0))
-            if lease_id in ttls:
-                ttls[lease_id] = int(result.get("TTL", 0))
+        asked = set(lease_ids)
+        ttls: dict[int, int] = {}
+        for result in results:
+            try:
+                lease_id, ttl = int(result.get("ID", 0)), int(result.get("TTL", 0))
+            except (TypeError, ValueError):
+                continue
+            if lease_id in asked:
+                ttls[lease_id] = ttl
         return ttls
 
     async def lease_revoke(self, lease_id: int, *, lane: Lane = SESSION) -> None:

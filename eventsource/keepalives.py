@@ -1,17 +1,18 @@
-"""Node liveness keepalives, many leases per etcd gateway call.
+"""Node liveness keepalives, several leases per etcd gateway call.
 
 Why: a gateway call costs this process about a millisecond of client CPU (and a thread of the
 etcd pool) whatever it carries, and 5,000 nodes heartbeating every 10 s need about 250 lease
 renewals per second (``handlers.liveness`` already halves that): one call per renewal timed out
 by the thousand next to a placement load on two cores. The gateway's ``/v3/lease/keepalive`` is
-a stream, so one call with newline-delimited requests renews any number of leases.
+a stream, so one call renews up to ``KEEPALIVE_BATCH_MAX`` (16) leases.
 
-How: a renewal waits up to ``linger_s`` for others, then one call renews all that are waiting
-(at most ``max_batch``), with at most ``max_inflight`` calls at once; while calls are in flight
-the next batch keeps filling. A heartbeat's answer is delayed by at most the linger plus one
-call, far inside any lease. Each caller awaits its own future and gets its lease's TTL, or
-``LeaseLost`` for a lease that expired, or the call's ``Unavailable``: the outcome of one lease
-never depends on another's.
+How: the first waiting renewal starts a timer of ``linger_s``; when it fires, or as soon as a
+full batch waits, one call renews what waits (at most ``max_batch``), with at most
+``max_inflight`` calls at once. A renewal therefore waits at most the linger, plus the calls
+ahead of it when more than ``max_inflight`` batches are queued. Each caller awaits its own
+future and gets its lease's TTL, or ``LeaseLost`` when etcd answered that the lease is gone, or
+``Unavailable`` when the call failed or etcd did not answer for that lease. Every future is
+settled when its batch's task ends, whatever ended it (the task's done callback), and on close.
 """
 
 from __future__ import annotations
@@ -21,33 +22,40 @@ import logging
 from itertools import islice
 
 from eventsource.errors import LeaseLost, StoreError, Unavailable
-from eventsource.etcd import BULK, AsyncEtcd, Lane
+from eventsource.etcd import BULK, KEEPALIVE_BATCH_MAX, AsyncEtcd, Lane
 from eventsource.group import settle
 from eventsource.metrics import Metrics
 
 log = logging.getLogger("persys.keepalives")
+
+#: lease id -> (loop time it started waiting, the callers waiting for its renewal)
+Batch = dict[int, tuple[float, list[asyncio.Future[int]]]]
 
 
 class KeepaliveBatcher:
     """Renews leases for many callers with few gateway calls; owns its send tasks."""
 
     def __init__(self, etcd: AsyncEtcd, *, metrics: Metrics | None = None,
-                 linger_s: float = 0.02, max_batch: int = 256, max_inflight: int = 2,
-                 lane: Lane = BULK) -> None:
-        if max_batch < 1 or max_inflight < 1 or linger_s < 0:
-            raise ValueError("max_batch and max_inflight must be positive, linger_s not negative")
+                 linger_s: float = 0.05, max_batch: int = KEEPALIVE_BATCH_MAX,
+                 max_inflight: int = 2, lane: Lane = BULK) -> None:
+        if not 1 <= max_batch <= KEEPALIVE_BATCH_MAX:
+            raise ValueError(f"max_batch must be 1..{KEEPALIVE_BATCH_MAX}, got {max_batch}")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        if linger_s < 0:
+            raise ValueError(f"linger_s must not be negative, got {linger_s}")
         self.etcd = etcd
         self.metrics = metrics
         self.linger_s = linger_s
         self.max_batch = max_batch
         self.max_inflight = max_inflight
         self.lane = lane
-        #: lease id -> the callers waiting for its renewal (one renewal answers them all)
-        self._waiting: dict[int, list[asyncio.Future[int]]] = {}
+        self._waiting: Batch = {}
         self._timer: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        #: each send task and the batch it must answer
+        self._tasks: dict[asyncio.Task[None], Batch] = {}
         self._closed = False
-        #: gateway calls made and leases renewed by them (for metrics and tests)
+        #: gateway calls made and leases they carried (for metrics and tests)
         self.calls = 0
         self.leases_sent = 0
 
@@ -55,36 +63,50 @@ class KeepaliveBatcher:
         """Renew ``lease_id``; returns its TTL. Raises ``LeaseLost`` or ``Unavailable``."""
         if self._closed:
             raise Unavailable("keepalives closed: scheduler shutting down")
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(lease_id, []).append(future)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        entry = self._waiting.get(lease_id)
+        if entry is None:
+            self._waiting[lease_id] = (loop.time(), [future])
+        else:
+            entry[1].append(future)  # one renewal answers every caller of the same lease
         self._schedule()
         return await future
 
     def _schedule(self) -> None:
-        if self._timer is not None or not self._waiting or self._closed:
+        if self._closed or not self._waiting or len(self._tasks) >= self.max_inflight:
+            return  # a finished call schedules again
+        if len(self._waiting) >= self.max_batch:
+            self._start()
             return
-        if len(self._tasks) >= self.max_inflight:
-            return  # the next finished call schedules again
-        delay = 0.0 if len(self._waiting) >= self.max_batch else self.linger_s
-        self._timer = asyncio.get_running_loop().call_later(delay, self._start)
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            oldest = next(iter(self._waiting.values()))[0]
+            delay = max(0.0, oldest + self.linger_s - loop.time())
+            self._timer = loop.call_later(delay, self._start)
 
     def _start(self) -> None:
-        self._timer = None
-        if self._closed or len(self._tasks) >= self.max_inflight or not self._waiting:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._closed or not self._waiting or len(self._tasks) >= self.max_inflight:
             return
         batch = {lease_id: self._waiting.pop(lease_id)
                  for lease_id in list(islice(self._waiting, self.max_batch))}
         task = asyncio.get_running_loop().create_task(self._send(batch),
                                                       name="lease-keepalive-batch")
-        self._tasks.add(task)
+        self._tasks[task] = batch
         task.add_done_callback(self._finished)
         self._schedule()  # more than a batch waited: the rest may go in a second call
 
     def _finished(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        batch = self._tasks.pop(task, {})
+        if not task.cancelled() and task.exception() is not None:
+            log.error("lease keepalive batch failed leases=%d: %r", len(batch), task.exception())
+        _fail(batch, Unavailable("lease keepalive not answered"))  # only what is still open
         self._schedule()
 
-    async def _send(self, batch: dict[int, list[asyncio.Future[int]]]) -> None:
+    async def _send(self, batch: Batch) -> None:
         self.calls += 1
         self.leases_sent += len(batch)
         if self.metrics is not None:
@@ -94,34 +116,35 @@ class KeepaliveBatcher:
             ttls = await self.etcd.lease_keepalive_many(list(batch), lane=self.lane)
         except StoreError as exc:
             log.warning("lease keepalives failed leases=%d: %s", len(batch), exc)
-            for futures in batch.values():
-                for future in futures:
-                    settle(future, error=exc)
+            _fail(batch, exc)
             return
-        except asyncio.CancelledError:
-            for futures in batch.values():
-                for future in futures:
-                    future.cancel()
-            raise
-        for lease_id, futures in batch.items():
-            ttl = ttls.get(lease_id, 0)
+        for lease_id, (_, futures) in batch.items():
+            ttl = ttls.get(lease_id)
             for future in futures:
-                if ttl > 0:
+                if ttl is None:
+                    settle(future, error=Unavailable(
+                        f"etcd did not answer the keepalive of lease {lease_id:x}"))
+                elif ttl > 0:
                     settle(future, result=ttl)
                 else:
                     settle(future, error=LeaseLost(f"lease {lease_id:x} expired"))
 
     async def aclose(self) -> None:
-        """Fail what waits, cancel and await the calls in flight."""
+        """Answer what waits, cancel and await the calls in flight (their callers are
+        answered by the tasks' done callbacks)."""
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         waiting, self._waiting = self._waiting, {}
-        for futures in waiting.values():
-            for future in futures:
-                settle(future, error=Unavailable("keepalives closed: scheduler shutting down"))
+        _fail(waiting, Unavailable("keepalives closed: scheduler shutting down"))
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _fail(batch: Batch, error: BaseException) -> None:
+    for _, futures in batch.values():
+        for future in futures:
+            settle(future, error=error)
