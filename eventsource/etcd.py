@@ -190,12 +190,14 @@ def parse_endpoint(endpoint: str) -> tuple[str, str, int]:
 #: answers etcd3gw treats as a connection failure (so the next endpoint is tried)
 RETRY_ELSEWHERE = frozenset({408, 503, 504})
 
-#: etcd 3.5's gateway decodes a streaming request body 512 bytes at a time, and Go's HTTP/1.1
-#: server discards what is still unread once the first answer is flushed: only the requests in
-#: the first 512 bytes are sure to be answered (measured: 17 answers for 64 or 256 keepalives).
+#: etcd 3.5's gateway decodes a streaming request body with a first read of at most 512 bytes,
+#: and Go's HTTP/1.1 server discards what is still unread once the first answer is flushed: only
+#: the requests in those first 512 bytes are sure to be answered (measured: 17 answers for 64 or
+#: 256 keepalives). ``_post_stream_blocking`` refuses a longer body.
 STREAM_BODY_MAX = 512
-#: keepalives per call: ``{"ID":"<up to 19 digits>"}`` plus a newline is at most 29 bytes
-KEEPALIVE_BATCH_MAX = STREAM_BODY_MAX // 32
+#: keepalives per call: ``{"ID":"<up to 19 digits>"}`` plus a newline is at most 29 bytes, so
+#: 16 take at most 463 (17 would fit too; the power of two leaves a margin)
+KEEPALIVE_BATCH_MAX = 16
 
 #: the lanes of :class:`AsyncEtcd` (each its own thread pool)
 Lane = Literal["bulk", "session"]
@@ -307,6 +309,9 @@ class AsyncEtcd:
         an answer that etcd3gw would call a connection failure (HTTP 408/503/504, in the status
         or in an error line before any result) moves on to the next endpoint."""
         body = b"\n".join(json.dumps(r, separators=(",", ":")).encode() for r in requests_)
+        if len(body) > STREAM_BODY_MAX:
+            raise ValueError(f"etcd {path}: a streaming body of {len(body)} bytes would not be "
+                             f"read whole (at most {STREAM_BODY_MAX})")
         last: Exception | str | None = None
         for attempt in range(len(self.endpoints)):
             index = (self._current + attempt) % len(self.endpoints)
@@ -331,12 +336,13 @@ class AsyncEtcd:
                     answer = json.loads(line)
                     if "error" in answer:
                         error = dict(answer["error"] or {})
+                        error["http_code"] = int(error.get("http_code", 0) or 0)
                         break
                     results.append(dict(answer.get("result") or {}))
             except (ValueError, TypeError, AttributeError) as exc:
                 raise Unavailable(f"etcd {path}: unreadable answer: {exc}") from exc
             if error is not None and not results:
-                if int(error.get("http_code", 0) or 0) in RETRY_ELSEWHERE:
+                if error["http_code"] in RETRY_ELSEWHERE:
                     last = str(error.get("message", error))
                     continue
                 raise Unavailable(f"etcd {path}: {error.get('message', error)}")

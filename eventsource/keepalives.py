@@ -102,8 +102,9 @@ class KeepaliveBatcher:
     def _finished(self, task: asyncio.Task[None]) -> None:
         batch = self._tasks.pop(task, {})
         if not task.cancelled() and task.exception() is not None:
-            log.error("lease keepalive batch failed leases=%d: %r", len(batch), task.exception())
-        _fail(batch, Unavailable("lease keepalive not answered"))  # only what is still open
+            log.error("lease keepalive batch failed leases=%d", len(batch),
+                      exc_info=task.exception())
+        _fail(batch, "lease keepalive not answered")  # only what is still open
         self._schedule()
 
     async def _send(self, batch: Batch) -> None:
@@ -116,8 +117,11 @@ class KeepaliveBatcher:
             ttls = await self.etcd.lease_keepalive_many(list(batch), lane=self.lane)
         except StoreError as exc:
             log.warning("lease keepalives failed leases=%d: %s", len(batch), exc)
-            _fail(batch, exc)
+            _fail(batch, f"lease keepalives failed: {exc}")
             return
+        if len(ttls) < len(batch):
+            # etcd stopped answering part-way; those leases are renewed at the next heartbeat
+            log.warning("etcd answered %d of %d lease keepalives", len(ttls), len(batch))
         for lease_id, (_, futures) in batch.items():
             ttl = ttls.get(lease_id)
             for future in futures:
@@ -137,14 +141,16 @@ class KeepaliveBatcher:
             self._timer.cancel()
             self._timer = None
         waiting, self._waiting = self._waiting, {}
-        _fail(waiting, Unavailable("keepalives closed: scheduler shutting down"))
+        _fail(waiting, "keepalives closed: scheduler shutting down")
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _fail(batch: Batch, error: BaseException) -> None:
+def _fail(batch: Batch, reason: str) -> None:
+    """Answer every open caller of ``batch`` with ``Unavailable`` (one instance each: a shared
+    one would tie every caller's traceback together)."""
     for _, futures in batch.values():
         for future in futures:
-            settle(future, error=error)
+            settle(future, error=Unavailable(reason))

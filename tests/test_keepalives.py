@@ -4,6 +4,7 @@ lease's outcome, many renewals cost one call, and failures and shutdown answer e
 from __future__ import annotations
 
 import asyncio
+import http.server
 import math
 import socket
 import threading
@@ -180,4 +181,92 @@ def test_bad_bounds_are_refused() -> None:
         with pytest.raises(ValueError, match="linger_s must not"):
             KeepaliveBatcher(etcd, linger_s=-1)
     finally:
+        etcd.close()
+
+
+async def test_a_full_batch_of_the_largest_lease_ids_fits_the_streaming_body(etcd_server) -> None:
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    try:
+        largest = [2**63 - 1 - i for i in range(KEEPALIVE_BATCH_MAX)]  # 19 digits each
+        ttls = await asyncio.wait_for(etcd.lease_keepalive_many(largest), 10)
+        assert ttls == dict.fromkeys(largest, 0)  # every one answered (none exists)
+    finally:
+        etcd.close()
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """An etcd member that cannot serve: 503, or 200 with an in-band 503 error line."""
+
+    in_band = False
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.in_band:
+            body = b'{"error":{"grpc_code":14,"http_code":503,"message":"no leader"}}\n'
+            self.send_response(200)
+        else:
+            body = b'{"error":"etcdserver: no leader","code":14}'
+            self.send_response(503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@pytest.mark.parametrize("in_band", [False, True])
+async def test_keepalives_fail_over_from_a_member_that_cannot_serve(etcd_server,
+                                                                    in_band: bool) -> None:
+    handler = type("Handler", (_Refusing,), {"in_band": in_band})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    direct = AsyncEtcd([etcd_server.endpoint])
+    etcd = AsyncEtcd([f"127.0.0.1:{server.server_address[1]}", etcd_server.endpoint])
+    try:
+        lease = await direct.lease_grant(25)
+        assert await asyncio.wait_for(etcd.lease_keepalive_many([lease]), 10) == {lease: 25}
+        assert etcd._current == 1  # later calls go to the member that answered
+    finally:
+        etcd.close()
+        direct.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+class _Gated(AsyncEtcd):
+    """Keepalive calls that wait for a gate, to watch how many are in flight."""
+
+    def __init__(self) -> None:
+        super().__init__(["127.0.0.1:9"])
+        self.gate = asyncio.Event()
+        self.active = 0
+        self.most = 0
+
+    async def lease_keepalive_many(self, lease_ids: Sequence[int], *,
+                                   lane: Lane = BULK) -> dict[int, int]:
+        self.active += 1
+        self.most = max(self.most, self.active)
+        try:
+            await self.gate.wait()
+            return dict.fromkeys(lease_ids, 10)
+        finally:
+            self.active -= 1
+
+
+async def test_no_more_calls_than_max_inflight_and_the_rest_follow() -> None:
+    etcd = _Gated()
+    batcher = KeepaliveBatcher(etcd, linger_s=0.0, max_inflight=2)
+    try:
+        renewals = asyncio.gather(*(batcher.renew(lease) for lease in range(1, 101)))
+        await wait_for(lambda: etcd.active == 2, timeout=5, message="two calls in flight")
+        assert batcher.calls == 2  # the other 68 leases wait for a free call
+        etcd.gate.set()
+        assert await asyncio.wait_for(renewals, 5) == [10] * 100
+        assert etcd.most == 2
+        assert batcher.calls == math.ceil(100 / KEEPALIVE_BATCH_MAX)
+    finally:
+        await batcher.aclose()
         etcd.close()
