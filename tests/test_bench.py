@@ -20,6 +20,7 @@ import pytest
 from ops.benchlib.etcdwatch import key_group
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import bucket_quantile, percentile
+from ops.benchlib.stack import Stack, StackOptions
 from ops.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,6 +161,16 @@ persys_scheduler_reconcile_cycle_seconds_sum 5.5
 persys_scheduler_reconcile_cycle_seconds_count 4.0
 odd_metric{label="a \\"quoted\\" value"} 1
 """
+
+
+def test_the_fleet_is_spread_over_shard_replicas() -> None:
+    # both fleets (the sim process and churn's in-process one) take this target; the
+    # in-process one once took only the first replica's address
+    addrs = ["127.0.0.1:1", "127.0.0.1:2"]
+    shards = Stack(StackOptions(nodes=4, replicas=2, ha="shards", scheduler_addrs=addrs))
+    failover = Stack(StackOptions(nodes=4, replicas=2, ha="failover", scheduler_addrs=addrs))
+    assert shards._fleet_target() == "127.0.0.1:1,127.0.0.1:2"
+    assert failover._fleet_target() == "127.0.0.1:1"
 
 
 def test_prometheus_text_sums_subtracts_and_knows_what_is_exported():

@@ -223,23 +223,25 @@ class Stack:
                 raise StackError(f"{leaders} of {want} expected leaders after {timeout:g}s")
             await asyncio.sleep(0.2)
 
+    def _fleet_target(self) -> str:
+        """Active-active shards: the fleet is spread over the replicas, as agents behind DNS
+        would be; replicas of one shard (failover) all get the first replica's address."""
+        return (",".join(self.grpc_addrs) if self.options.ha == "shards"
+                else self.grpc_addrs[0])
+
     async def _start_fleet(self) -> None:
         o = self.options
         if o.fleet_in_process:
             from ops.sim import Fleet, NodeBehaviour
 
             _raise_fd_limit(2 * o.nodes + 512)
-            self.fleet = Fleet(self.grpc_addrs[0], count=o.nodes,
+            self.fleet = Fleet(self._fleet_target(), count=o.nodes,
                                behaviour=NodeBehaviour(apply_latency_s=o.apply_latency_s),
                                seed=o.seed)
             await self.fleet.start()
             return
         port = service_port(self._ports)
-        # active-active shards: the fleet is spread over the replicas, as agents behind DNS
-        # would be; replicas of one shard (failover) all get the first replica's address
-        target = (",".join(self.grpc_addrs) if self.options.ha == "shards"
-                  else self.grpc_addrs[0])
-        argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", target,
+        argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", self._fleet_target(),
                 "--nodes", str(o.nodes), "--stats-port", str(port), "--report-every", "0",
                 "--apply-latency", f"{o.apply_latency_s:g}"]
         if o.seed is not None:
