@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -169,8 +170,12 @@ def test_the_fleet_is_spread_over_shard_replicas() -> None:
     addrs = ["127.0.0.1:1", "127.0.0.1:2"]
     shards = Stack(StackOptions(nodes=4, replicas=2, ha="shards", scheduler_addrs=addrs))
     failover = Stack(StackOptions(nodes=4, replicas=2, ha="failover", scheduler_addrs=addrs))
-    assert shards._fleet_target() == "127.0.0.1:1,127.0.0.1:2"
-    assert failover._fleet_target() == "127.0.0.1:1"
+    try:
+        assert shards._fleet_target() == "127.0.0.1:1,127.0.0.1:2"
+        assert failover._fleet_target() == "127.0.0.1:1"
+    finally:
+        for stack in (shards, failover):
+            shutil.rmtree(stack.workdir, ignore_errors=True)
 
 
 def test_prometheus_text_sums_subtracts_and_knows_what_is_exported():
