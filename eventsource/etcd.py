@@ -199,6 +199,34 @@ STREAM_BODY_MAX = 512
 #: 16 take at most 463 (17 would fit too; the power of two leaves a margin)
 KEEPALIVE_BATCH_MAX = 16
 
+
+class _TryElsewhere(Exception):
+    """This endpoint cannot serve now; the next one may."""
+
+    def __init__(self, reason: object) -> None:
+        super().__init__(str(reason))
+        self.reason = reason
+
+
+def _stream_answers(path: str, body: bytes
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The results of a streaming answer, up to its first error line (returned too)."""
+    results: list[dict[str, Any]] = []
+    try:
+        for line in body.splitlines():
+            if not line.strip():
+                continue
+            answer = json.loads(line)
+            if "error" in answer:
+                error = dict(answer["error"] or {})
+                error["http_code"] = int(error.get("http_code", 0) or 0)
+                return results, error
+            results.append(dict(answer.get("result") or {}))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise Unavailable(f"etcd {path}: unreadable answer: {exc}") from exc
+    return results, None
+
+
 #: the lanes of :class:`AsyncEtcd` (each its own thread pool)
 Lane = Literal["bulk", "session"]
 BULK: Lane = "bulk"
@@ -273,16 +301,30 @@ class AsyncEtcd:
         protocol, host, port = parse_endpoint(self.endpoints[self._current])
         return f"{protocol}://{host}:{port}"
 
-    def _post_blocking(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        last: Exception | None = None
+    def _on_endpoints(self, path: str, call: Callable[[int], T]) -> T:
+        """``call(index)`` on the current endpoint, then on each next one while it raises
+        ``_TryElsewhere``; the endpoint that answered becomes the current one."""
+        last: object = None
         for attempt in range(len(self.endpoints)):
             index = (self._current + attempt) % len(self.endpoints)
+            try:
+                result = call(index)
+            except _TryElsewhere as exc:
+                last = exc.reason
+                continue
+            if index != self._current:
+                log.warning("etcd endpoint failover to %s", self.endpoints[index])
+                self._current = index
+            return result
+        raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
+
+    def _post_blocking(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        def call(index: int) -> dict[str, Any]:
             client = self._client(index)
             try:
-                result = client.post(client.get_url(path), json=body)
+                return dict(client.post(client.get_url(path), json=body))
             except (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError) as exc:
-                last = exc
-                continue
+                raise _TryElsewhere(exc) from exc
             except etcd_exc.Etcd3Exception as exc:
                 detail = str(getattr(exc, "detail_text", "") or exc)
                 if "compacted" in detail:
@@ -291,13 +333,9 @@ class AsyncEtcd:
                     raise LeaseLost(detail) from exc
                 raise Unavailable(f"etcd {path}: {detail}") from exc
             except requests.RequestException as exc:
-                last = exc
-                continue
-            if index != self._current:
-                log.warning("etcd endpoint failover to %s", self.endpoints[index])
-                self._current = index
-            return dict(result)
-        raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
+                raise _TryElsewhere(exc) from exc
+
+        return self._on_endpoints(path, call)
 
     def _post_stream_blocking(self, path: str, requests_: Sequence[dict[str, Any]]
                               ) -> list[dict[str, Any]]:
@@ -312,45 +350,27 @@ class AsyncEtcd:
         if len(body) > STREAM_BODY_MAX:
             raise ValueError(f"etcd {path}: a streaming body of {len(body)} bytes would not be "
                              f"read whole (at most {STREAM_BODY_MAX})")
-        last: Exception | str | None = None
-        for attempt in range(len(self.endpoints)):
-            index = (self._current + attempt) % len(self.endpoints)
+
+        def call(index: int) -> list[dict[str, Any]]:
             try:
                 response = self._session(index).post_bytes(f"/v3{path}", body,
                                                            timeout=self.timeout)
             except requests.RequestException as exc:
-                last = exc
-                continue
+                raise _TryElsewhere(exc) from exc
             if response.status_code in RETRY_ELSEWHERE:
-                last = f"HTTP {response.status_code} {response.text[:200]}"
-                continue
+                raise _TryElsewhere(f"HTTP {response.status_code} {response.text[:200]}")
             if response.status_code != 200:
                 raise Unavailable(f"etcd {path}: HTTP {response.status_code} "
                                   f"{response.text[:200]}")
-            results: list[dict[str, Any]] = []
-            error: dict[str, Any] | None = None
-            try:
-                for line in response.body.splitlines():
-                    if not line.strip():
-                        continue
-                    answer = json.loads(line)
-                    if "error" in answer:
-                        error = dict(answer["error"] or {})
-                        error["http_code"] = int(error.get("http_code", 0) or 0)
-                        break
-                    results.append(dict(answer.get("result") or {}))
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise Unavailable(f"etcd {path}: unreadable answer: {exc}") from exc
+            results, error = _stream_answers(path, response.body)
             if error is not None and not results:
+                message = str(error.get("message", error))
                 if error["http_code"] in RETRY_ELSEWHERE:
-                    last = str(error.get("message", error))
-                    continue
-                raise Unavailable(f"etcd {path}: {error.get('message', error)}")
-            if index != self._current:
-                log.warning("etcd endpoint failover to %s", self.endpoints[index])
-                self._current = index
+                    raise _TryElsewhere(message)
+                raise Unavailable(f"etcd {path}: {message}")
             return results
-        raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
+
+        return self._on_endpoints(path, call)
 
     async def _in_lane(self, lane: Lane, what: str, call: Callable[[], T]) -> T:
         """Run a blocking call on a lane's pool, bounded by the client timeout (which

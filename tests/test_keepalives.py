@@ -1,5 +1,6 @@
 """Lease keepalives batched into gateway stream calls, on a real etcd: each caller gets its own
-lease's outcome, many renewals cost one call, and failures and shutdown answer every caller."""
+lease's outcome, many renewals cost one call, and failures and shutdown answer every caller.
+Also the endpoint failover that stream calls and unary calls share."""
 
 from __future__ import annotations
 
@@ -270,3 +271,21 @@ async def test_no_more_calls_than_max_inflight_and_the_rest_follow() -> None:
     finally:
         await batcher.aclose()
         etcd.close()
+
+
+async def test_unary_calls_fail_over_the_same_way(etcd_server, key_root) -> None:
+    # the stream call and the unary calls share one failover loop (AsyncEtcd._on_endpoints)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoints = [f"127.0.0.1:{_closed_port()}", f"127.0.0.1:{server.server_address[1]}",
+                 etcd_server.endpoint]
+    etcd = AsyncEtcd(endpoints, timeout=2.0)
+    try:
+        assert await asyncio.wait_for(etcd.get(f"{key_root}/absent"), 20) is None
+        assert etcd._current == 2
+    finally:
+        etcd.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
