@@ -337,7 +337,12 @@ class NodeCommands:
             await asyncio.gather(*(self._update_workload_state(wid, node_id, state, ws, stamp)
                                    for wid, state, ws in changed))
         for u in req.workload_usage:
-            usages.setdefault(u.workload_id, _usage_dict(u))
+            # agents report each snapshot twice (here and in its status): convert it once
+            if u.workload_id in usages:
+                continue
+            item = self.cluster.statuses.get(u.workload_id)
+            if item is not None and item.value.node_id == node_id:  # never for another node
+                usages[u.workload_id] = _usage_dict(u)
         for wid in usages:
             spec = self.cluster.specs.get(wid)
             if spec is not None:
