@@ -223,3 +223,52 @@ async def test_every_rpc_is_counted_with_its_method_and_code(etcd_server, key_ro
         assert registry.get_sample_value(
             "persys_scheduler_grpc_server_request_duration_seconds_count",
             {"method": "/persys.control.v1.AgentControl/ListNodes", "code": "OK"}) == 2
+
+
+async def test_a_node_cannot_report_state_or_usage_for_another_nodes_workload(
+        etcd_server, redis_server, key_root, stream_key):
+    """A heartbeat naming a workload that runs elsewhere changes neither its status nor its
+    usage telemetry: one node's agent never acts for another."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    async with running_scheduler(settings) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, 2) as fleet, control_stub(address) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: _ready_nodes(stub, 2), message="2 Ready nodes", timeout=10)
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="victim", spec=container_spec()))
+            assert resp.success, resp.error_message
+
+            async def running() -> pb.WorkloadView | None:
+                w = (await stub.GetWorkload(pb.GetWorkloadRequest(workload_id="victim")))
+                return w.workload if w.workload.status == "Running" else None
+
+            holder = (await wait_for(running, message="victim Running", timeout=10))
+            other = next(n.node_id for n in fleet.nodes if n.node_id != holder.assigned_node_id)
+            before = await client.xrevrange(settings.meter_stream, count=1)
+            mark = before[0][0] if before else "0"
+            forged = await stub.Heartbeat(pb.HeartbeatRequest(
+                node_id=other,
+                workload_statuses=[pb.WorkloadStatus(workload_id="victim", state="Failed",
+                                                     message="forged")],
+                workload_usage=[pb.WorkloadUsageSnapshot(workload_id="victim",
+                                                         source="forged", cpu_percent=99)]))
+            assert forged.acknowledged
+            w = (await stub.GetWorkload(pb.GetWorkloadRequest(workload_id="victim"))).workload
+            assert w.status == "Running"
+
+            # telemetry is written in arrival order: once the holder's next snapshot is in the
+            # meter stream, a forged one accepted before it would be there too
+            async def holder_reported_since() -> list[dict[str, str]] | None:
+                entries = [f for i, f in await client.xrange(settings.meter_stream, min=mark)
+                           if i != mark]
+                return entries if any(f["node_id"] == holder.assigned_node_id
+                                      for f in entries) else None
+
+            entries = await wait_for(holder_reported_since, timeout=10,
+                                     message="the holder's next usage snapshot")
+            assert all(f["node_id"] != other for f in entries)
+            assert "forged" not in (await client.get(
+                "persys:scheduler:usage:victim") or "")
+    await client.aclose()
