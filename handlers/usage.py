@@ -35,10 +35,10 @@ _compact = json.JSONEncoder(separators=(",", ":")).encode
 
 #: KEYS: per snapshot its usage key, then the meter stream last. ARGV: ttl, maxlen, meter on
 #: (1/0), then one JSON array holding per snapshot [usage JSON, event id, node id, workload id,
-#: revision, reported at, meter payload]: four arguments instead of seven per snapshot, because
-#: redis-py packs every argument in Python (at 500 heartbeats/s packing 3,500 arguments per
-#: batch was 9% of the scheduler's CPU) while Redis decodes the array in C. Entries have the Go
-#: version's fields.
+#: revision, reported at, meter payload]: one argument for the batch instead of seven per
+#: snapshot, because redis-py packs every argument in Python (at 500 heartbeats/s packing 3,500
+#: arguments per batch was 9% of the scheduler's CPU) while Redis decodes the array in C.
+#: Entries have the Go version's fields.
 RECORD_SCRIPT = """
 local n = #KEYS - 1
 local meter = ARGV[3] == '1'
