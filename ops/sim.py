@@ -467,6 +467,11 @@ class SimNode(agent_pb2_grpc.AgentServiceServicer):
         w = self._workloads.get(workload_id)
         return None if w is None else _STATE_NAMES.get(w.actual, "Unknown")
 
+    def running_ids(self) -> list[str]:
+        """The ids of the workloads this agent holds Running."""
+        return [wid for wid, w in self._workloads.items()
+                if _STATE_NAMES.get(w.actual) == "Running"]
+
     def requested(self) -> tuple[int, int]:
         """(cpu millicores, memory MiB) requested by the PENDING and RUNNING workloads."""
         cpu = mem = 0

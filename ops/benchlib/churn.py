@@ -41,11 +41,13 @@ def _rpc_total(fleet: Any) -> Counter[str]:
 
 
 def _running_anywhere(fleet: Any, remaining: set[str]) -> set[str]:
+    """Which of ``remaining`` run on any agent: one pass over what the agents hold. (Asking
+    every node about every remaining workload was 50 million lookups per scan at 5,000 nodes
+    and 10,000 kills: seconds of the loop the in-process agents answer on, which made their
+    ListWorkloads miss the scheduler's deadline.)"""
     found: set[str] = set()
     for node in fleet.nodes:
-        for wid in remaining:
-            if node.workload_state(wid) == "Running":
-                found.add(wid)
+        found.update(wid for wid in node.running_ids() if wid in remaining)
     return found
 
 
