@@ -22,7 +22,7 @@ import logging
 from itertools import islice
 
 from eventsource.errors import LeaseLost, StoreError, Unavailable
-from eventsource.etcd import BULK, KEEPALIVE_BATCH_MAX, AsyncEtcd, Lane
+from eventsource.etcd import KEEPALIVE_BATCH_MAX, AsyncEtcd
 from eventsource.group import settle
 from eventsource.metrics import Metrics
 
@@ -37,7 +37,7 @@ class KeepaliveBatcher:
 
     def __init__(self, etcd: AsyncEtcd, *, metrics: Metrics | None = None,
                  linger_s: float = 0.05, max_batch: int = KEEPALIVE_BATCH_MAX,
-                 max_inflight: int = 2, lane: Lane = BULK) -> None:
+                 max_inflight: int = 2) -> None:
         if not 1 <= max_batch <= KEEPALIVE_BATCH_MAX:
             raise ValueError(f"max_batch must be 1..{KEEPALIVE_BATCH_MAX}, got {max_batch}")
         if max_inflight < 1:
@@ -49,7 +49,6 @@ class KeepaliveBatcher:
         self.linger_s = linger_s
         self.max_batch = max_batch
         self.max_inflight = max_inflight
-        self.lane = lane
         self._waiting: Batch = {}
         self._timer: asyncio.TimerHandle | None = None
         #: each send task and the batch it must answer
@@ -114,7 +113,7 @@ class KeepaliveBatcher:
             self.metrics.lease_keepalive_calls.inc()
             self.metrics.lease_keepalives.inc(len(batch))
         try:
-            ttls = await self.etcd.lease_keepalive_many(list(batch), lane=self.lane)
+            ttls = await self.etcd.lease_keepalive_many(list(batch))  # the bulk lane
         except StoreError as exc:
             log.warning("lease keepalives failed leases=%d: %s", len(batch), exc)
             _fail(batch, f"lease keepalives failed: {exc}")
