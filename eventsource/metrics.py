@@ -67,6 +67,12 @@ class Metrics:
             namespace=ns, subsystem=sub, registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
         )
+        self.reconcile_phase_seconds = Counter(
+            "reconcile_phase_seconds", "wall time of reconcile cycles by phase: prefetch (the "
+            "agents' ListWorkloads), plan (unreachable nodes marked, drift classified, the "
+            "decisions), act (agent calls and writes)",
+            ["phase"], namespace=ns, subsystem=sub, registry=r,
+        )
         self.reconciliation_results = Counter(
             "reconciliation_results", "reconcile actions (Go name)", ["action", "success"],
             namespace=ns, subsystem=sub, registry=r,

@@ -108,6 +108,21 @@ class AgentPool:
         self._entries: dict[str, _Entry] = {}
         #: closes of channels replaced or dropped (close() is a coroutine)
         self._closing: set[asyncio.Task[None]] = set()
+        #: (method, code) -> its labelled metric children: ``labels()`` costs microseconds
+        #: and a cycle at 5,000 nodes records 5,000 calls
+        self._recorders: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+
+    def _record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        key = (method, code.name)
+        children = self._recorders.get(key)
+        if children is None:
+            m = self.metrics
+            children = self._recorders[key] = (m.agent_rpcs.labels(*key),
+                                               m.agent_rpc_requests.labels(*key),
+                                               m.agent_rpc_duration.labels(*key))
+        children[0].inc()
+        children[1].inc()
+        children[2].observe(seconds)
 
     def _channel(self, node_id: str, endpoint: str) -> _Entry:
         entry = self._entries.get(node_id)
@@ -174,11 +189,7 @@ class AgentPool:
                 self._drop(node_id)
             raise AgentError(method, code, exc.details() or "") from exc
         finally:
-            self.metrics.agent_rpcs.labels(method, code.name).inc()
-            self.metrics.agent_rpc_requests.labels(method, code.name).inc()
-            self.metrics.agent_rpc_duration.labels(method, code.name).observe(
-                time.perf_counter() - started
-            )
+            self._record(method, code, time.perf_counter() - started)
 
     async def apply(self, node_id: str, endpoint: str, req: agent_pb2.ApplyWorkloadRequest,
                     *, timeout: float | None = None,

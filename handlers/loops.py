@@ -58,6 +58,7 @@ from handlers.reconcile import (
     FINALIZE,
     MARK_TERMINAL,
     MONITORED_NODE_STATUSES,
+    NOOP,
     PLACE,
     REAPPLY,
     SETTLE,
@@ -159,6 +160,8 @@ class CycleReport:
     rpcs: Counter[str] = field(default_factory=Counter)
     drifts: list[DriftFinding] = field(default_factory=list)
     duration_s: float = 0.0
+    #: wall seconds by phase (prefetch, plan, act): where a slow cycle spends its time
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -276,11 +279,14 @@ async def plan_in_slices(specs: dict[str, WorkloadSpec], statuses: dict[str, Wor
     if len(ids) <= PLAN_SLICE:
         return plan_cycle(specs, statuses, **kwargs)
     actions: list[Action] = []
+    steady: list[str] = []
     for start in range(0, len(ids), PLAN_SLICE):
         part = {wid: specs[wid] for wid in ids[start:start + PLAN_SLICE]}
-        actions.extend(plan_cycle(part, statuses, **kwargs).actions)
+        planned = plan_cycle(part, statuses, **kwargs)
+        actions.extend(planned.actions)
+        steady.extend(planned.steady)
         await asyncio.sleep(0)
-    return CyclePlan(tuple(actions))
+    return CyclePlan(tuple(actions), tuple(steady))
 
 
 class ReconcileLoop(_Shell):
@@ -353,9 +359,11 @@ class ReconcileLoop(_Shell):
 
     # -- the cycle ---------------------------------------------------------------------------
     async def _cycle(self, report: CycleReport, now: datetime) -> None:
+        started = time.perf_counter()
         views = self.node_views()
         targets = [v for v in views.values() if v.available and self.leader.owns(v.node_id)]
         observations = await self._prefetch(targets, report)
+        planning = time.perf_counter()
         report.nodes_listed = len(targets)
         report.unreachable = sorted(n for n, o in observations.items() if o.unreachable)
 
@@ -387,9 +395,14 @@ class ReconcileLoop(_Shell):
             now=now, policy=self.policy, exclude=adopted,
             evictable=lambda node_id: self.evictions.allows(node_id, views))
         report.actions = plan.counts()
+        acting = time.perf_counter()
         results = await self._execute(plan, views, report, now)
         if findings:
             await self._remediate(findings, results, views, report, now)
+        report.phases = {"prefetch": planning - started, "plan": acting - planning,
+                         "act": time.perf_counter() - acting}
+        for phase, seconds in report.phases.items():
+            self.metrics.reconcile_phase_seconds.labels(phase).inc(seconds)
 
     async def _prefetch(self, targets: list[NodeView],
                         report: CycleReport) -> dict[str, NodeObservation]:
@@ -404,7 +417,7 @@ class ReconcileLoop(_Shell):
                 observations[view.node_id] = NodeObservation(
                     view.node_id, ok=False, unreachable=exc.unreachable, error=str(exc))
                 return
-            seen = {w.id: observed_from_agent(w) for w in resp.workloads if w.id}
+            seen = observed_from_agent(resp.workloads)
             observations[view.node_id] = NodeObservation(view.node_id, ok=True, workloads=seen)
 
         await run_bounded(targets, self.concurrency, one)
@@ -414,6 +427,8 @@ class ReconcileLoop(_Shell):
                        report: CycleReport, now: datetime) -> dict[str, tuple[str, bool, str]]:
         results: dict[str, tuple[str, bool, str]] = {}
         idle: Counter[str] = Counter(a.kind for a in plan.actions if not (a.rpc or a.writes))
+        if plan.steady:
+            idle[NOOP] += len(plan.steady)
         for kind, count in idle.items():
             self.metrics.reconciliation_results.labels(kind, "true").inc(count)
 

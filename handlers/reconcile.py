@@ -29,11 +29,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from eventsource.events import parse_rfc3339
 from eventsource.records import Node, WorkloadSpec, WorkloadStatus
 from handlers.retry import (
+    SUCCESS_CLEARS,
     ReapplyState,
     RetryPolicy,
     exhausted,
@@ -83,9 +84,13 @@ def node_of(status: WorkloadStatus) -> str:
 # -- inputs ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ObservedWorkload:
-    """One workload as an agent's ``ListWorkloads`` reported it."""
+class ObservedWorkload(NamedTuple):
+    """One workload as an agent's ``ListWorkloads`` reported it.
+
+    A NamedTuple, not a frozen dataclass: a cycle builds one per workload of every node
+    (100,000 at 5,000 nodes), and a frozen dataclass's ``__init__`` cost 5.4 us each against
+    1.5 us for the tuple (measured), half a second of every 5 s cycle.
+    """
 
     workload_id: str
     state: str
@@ -300,17 +305,55 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
     return act(NOOP)
 
 
+#: ``desiredState`` spellings that ``normalize_desired`` reads as Running, checked verbatim
+RUNNING_SPELLINGS = frozenset({RUNNING, "running", ""})
+#: status metadata any of which sends a workload down the full decision
+_NOT_STEADY_KEYS = SUCCESS_CLEARS | {"retry_terminal", "failure_reason"}
+
+
+def steady_running(spec: WorkloadSpec, status: WorkloadStatus,
+                   observed: ObservedWorkload | None) -> bool:
+    """True only where ``plan_workload`` answers NoAction: the steady state, decided cheaply.
+
+    Why: at 5,000 nodes a cycle plans 100,000 workloads and nearly all of them are Running
+    where they should be. ``plan_workload`` spends about 10 us on each (normalising strings,
+    reading retry bookkeeping, building an Action); these plain comparisons spend a fraction
+    of that. The caller has already established that the workload's node is available and
+    was listed. Anything unusual (retry or re-apply bookkeeping, a terminal mark, another
+    revision, another state, an unusual ``desiredState`` spelling) returns False and goes
+    through ``plan_workload``, so this can only skip work, never change a decision (a
+    property test holds it to that).
+    """
+    return (observed is not None and observed.state == RUNNING and status.status == RUNNING
+            and spec.desired_state in RUNNING_SPELLINGS
+            and not status.retry.attempts and not status.retry.next_retry_at
+            and (observed.revision_id == spec.revision_id or not observed.revision_id
+                 or not spec.revision_id)
+            and _NOT_STEADY_KEYS.isdisjoint(status.metadata))
+
+
 @dataclass(frozen=True, slots=True)
 class CyclePlan:
-    """Every owned workload's action for one cycle."""
+    """Every owned workload's action for one cycle.
+
+    ``steady`` holds the ids of workloads found in the steady state (their action is NoAction);
+    they get no Action object, which is most of a large fleet's cycle.
+    """
 
     actions: tuple[Action, ...]
+    steady: tuple[str, ...] = ()
 
     def needing_io(self) -> list[Action]:
         return [a for a in self.actions if a.rpc or a.writes]
 
+    def kinds(self) -> dict[str, str]:
+        """workload id -> action kind, steady workloads included."""
+        out = dict.fromkeys(self.steady, NOOP)
+        out.update((a.workload_id, a.kind) for a in self.actions)
+        return out
+
     def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
+        out: dict[str, int] = {NOOP: len(self.steady)} if self.steady else {}
         for a in self.actions:
             out[a.kind] = out.get(a.kind, 0) + 1
         return out
@@ -334,31 +377,53 @@ def plan_cycle(
     Workloads without a status record are skipped (a create writes both in one transaction, so
     that is a half-visible projection, not a state to repair), and so are Completed and Deleted
     ones (E4 step 2). ``evictable(node_id)`` is the disruption guard's answer for unavailable
-    nodes (None: every node may be evicted).
+    nodes (None: every node may be evicted). What depends only on the node (ownership,
+    availability, its listing) is worked out once per node, not once per workload.
     """
     actions: list[Action] = []
+    steady: list[str] = []
+    per_node: dict[str, tuple[bool, bool, Mapping[str, ObservedWorkload] | None, bool]] = {}
     for workload_id, spec in specs.items():
         if workload_id in exclude:
             continue
         status = statuses.get(workload_id)
         if status is None or status.status.lower() in FINISHED_STATUSES:
             continue
-        node = node_of(status)
-        if node:
-            if not owns_node(node):
-                continue
-        elif not owns_unassigned(workload_id):
+        node = status.node_id or status.assigned_node
+        if not node:
+            if owns_unassigned(workload_id):
+                actions.append(plan_workload(spec, status, None, node_available=False,
+                                             node_observed=False, now=now, policy=policy))
             continue
-        view = nodes.get(node) if node else None
-        available = view.available if view is not None else False
-        obs = observations.get(node) if node else None
-        node_observed = obs is not None and obs.ok
-        seen = obs.workloads.get(workload_id) if obs is not None and obs.ok else None
-        may_move = available or evictable is None or evictable(node)
+        facts = per_node.get(node)
+        if facts is None:
+            facts = per_node[node] = _node_facts(node, nodes, observations, owns_node, evictable)
+        owned, available, listed, may_move = facts
+        if not owned:
+            continue
+        seen = listed.get(workload_id) if listed is not None else None
+        if available and steady_running(spec, status, seen):
+            steady.append(workload_id)
+            continue
         actions.append(plan_workload(spec, status, seen, node_available=available,
-                                     node_observed=node_observed, now=now, policy=policy,
+                                     node_observed=listed is not None, now=now, policy=policy,
                                      evictable=may_move))
-    return CyclePlan(tuple(actions))
+    return CyclePlan(tuple(actions), tuple(steady))
+
+
+def _node_facts(node: str, nodes: Mapping[str, NodeView],
+                observations: Mapping[str, NodeObservation], owns_node: Callable[[str], bool],
+                evictable: Callable[[str], bool] | None
+                ) -> tuple[bool, bool, Mapping[str, ObservedWorkload] | None, bool]:
+    """(owned, available, its listing if the list succeeded, may its workloads move)."""
+    if not owns_node(node):
+        return False, False, None, False
+    view = nodes.get(node)
+    available = view.available if view is not None else False
+    obs = observations.get(node)
+    listed = obs.workloads if obs is not None and obs.ok else None
+    may_move = available or evictable is None or evictable(node)
+    return True, available, listed, may_move
 
 
 # -- drift (E7) ------------------------------------------------------------------------------
@@ -606,14 +671,14 @@ def plan_node_monitor(checks: Iterable[NodeCheck], *, now: datetime,
 _AGENT_DESIRED = {1: RUNNING, 2: STOPPED}
 
 
-def observed_from_agent(status: Any) -> ObservedWorkload:
-    """An agent ``WorkloadStatus`` message -> ObservedWorkload (duck-typed: no proto import).
+def observed_from_agent(statuses: Iterable[Any]) -> dict[str, ObservedWorkload]:
+    """An agent's ``ListWorkloads`` entries -> {workload id: ObservedWorkload} (duck-typed: no
+    proto import); entries without an id are dropped.
 
-    Called for every workload of every node each cycle: plain attribute reads only."""
-    return ObservedWorkload(
-        workload_id=status.id,
-        state=AGENT_STATES.get(status.actual_state, UNKNOWN),
-        revision_id=status.revision_id,
-        desired=_AGENT_DESIRED.get(status.desired_state, ""),
-        message=status.message,
-    )
+    Runs over every workload of every node each cycle (100,000 at 5,000 nodes), hence one
+    comprehension with positional tuples: a helper call per entry, or keywords, doubled it.
+    """
+    states, desired = AGENT_STATES, _AGENT_DESIRED
+    return {s.id: ObservedWorkload(s.id, states.get(s.actual_state, UNKNOWN), s.revision_id,
+                                   desired.get(s.desired_state, ""), s.message)
+            for s in statuses if s.id}

@@ -51,7 +51,7 @@ FAILURE_GRACE_UNTIL = "failureGraceUntil"
 FAILURE_COUNTED_FOR = "failureCountedFor"
 GRACE_KEYS = (FAILURE_OBSERVED_AT, FAILURE_GRACE_UNTIL, FAILURE_COUNTED_FOR)
 #: every bookkeeping key a success clears, as a set for one C-level disjointness check
-_SUCCESS_CLEARS = frozenset((*GRACE_KEYS, REAPPLY_ATTEMPTS, REAPPLY_NEXT_AT))
+SUCCESS_CLEARS = frozenset((*GRACE_KEYS, REAPPLY_ATTEMPTS, REAPPLY_NEXT_AT))
 
 RETRY_PENDING = "RetryPending"
 FAILED = "Failed"
@@ -341,7 +341,7 @@ def exhausted(status: WorkloadStatus, policy: RetryPolicy) -> bool:
 def needs_success_reset(status: WorkloadStatus) -> bool:
     """Is there failure or re-apply bookkeeping that a success must clear (bug I15)?"""
     return (status.retry.attempts > 0 or bool(status.retry.next_retry_at)
-            or not _SUCCESS_CLEARS.isdisjoint(status.metadata))
+            or not SUCCESS_CLEARS.isdisjoint(status.metadata))
 
 
 def apply_success(status: WorkloadStatus, *, actual: str, now: datetime) -> bool:

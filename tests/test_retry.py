@@ -56,6 +56,7 @@ from handlers.reconcile import (
     plan_cycle,
     plan_node_monitor,
     plan_workload,
+    steady_running,
 )
 from handlers.retry import (
     FAILURE_COUNTED_FOR,
@@ -431,9 +432,47 @@ def test_plan_cycle_covers_owned_nodes_and_unassigned_share() -> None:
     result = plan_cycle(specs, statuses, nodes=nodes, observations=obs,
                         owns_node=lambda n: n == "n1", owns_unassigned=lambda w: w == "c",
                         now=T0, policy=POLICY)
-    kinds = {a.workload_id: a.kind for a in result.actions}
-    assert kinds == {"a": NOOP, "c": PLACE, "d": REAPPLY}
+    assert result.kinds() == {"a": NOOP, "c": PLACE, "d": REAPPLY}
+    assert result.steady == ("a",)  # the steady state is decided without an Action
+    assert result.counts() == {NOOP: 1, PLACE: 1, REAPPLY: 1}
     assert [a.workload_id for a in result.needing_io()] == ["c", "d"]
+
+
+@settings(max_examples=400)
+@given(st.sampled_from(["Running", "running", "", "Stopped", "stop", "Deleted", "RUNNING",
+                        " Running"]),
+       st.sampled_from(["Running", "Pending", "Scheduled", "Failed", "RetryPending", "Stopped"]),
+       st.sampled_from(["Running", "Pending", "Stopped", "Failed", "Unknown"]),
+       st.sampled_from(["rev-1", "rev-2", ""]), st.sampled_from(["rev-1", ""]),
+       st.integers(min_value=0, max_value=6), st.sampled_from(["", rfc3339(at(-5)),
+                                                              rfc3339(at(5))]),
+       st.dictionaries(st.sampled_from([LAST_APPLY_AT, LAST_APPLY_REVISION, REAPPLY_ATTEMPTS,
+                                        FAILURE_OBSERVED_AT, FAILURE_COUNTED_FOR,
+                                        "retry_terminal", "failure_reason", "note"]),
+                       st.sampled_from(["", "true", "INVALID_IMAGE", "x",
+                                        rfc3339(at(-3600))]), max_size=4),
+       st.floats(min_value=-100, max_value=1000))
+def test_the_steady_shortcut_never_changes_a_decision(
+        desired: str, state: str, agent: str, agent_revision: str, revision: str,
+        attempts: int, next_retry: str, meta: dict[str, str], t: float) -> None:
+    s = spec(desired=desired, revision=revision)
+    st_ = status(state=state, attempts=attempts, next_retry=next_retry, **meta)
+    obs = seen(agent, revision=agent_revision)
+    full = plan_workload(s, st_, obs, node_available=True, node_observed=True, now=at(t),
+                         policy=POLICY)
+    if steady_running(s, st_, obs):
+        assert full.kind == NOOP
+    nodes = {"n1": node_view("n1", Node(node_id="n1", status="Ready"), alive=True)}
+    planned = plan_cycle({"w1": s}, {"w1": st_}, nodes=nodes,
+                         observations={"n1": NodeObservation("n1", True, {"w1": obs})},
+                         owns_node=lambda n: True, owns_unassigned=lambda w: True, now=at(t),
+                         policy=POLICY)
+    assert planned.kinds() == {"w1": full.kind}
+
+
+def test_the_steady_shortcut_takes_the_common_case() -> None:
+    assert steady_running(spec(), status(**APPLIED_LONG_AGO), seen("Running"))
+    assert not steady_running(spec(), status(**APPLIED_LONG_AGO), None)
 
 
 # -- E7 drift --------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ CYCLE_SUM = "persys_scheduler_reconcile_cycle_seconds_sum"
 CYCLE_COUNT = "persys_scheduler_reconcile_cycle_seconds_count"
 RPCS = "persys_scheduler_agent_rpcs_total"
 WRITES = "persys_scheduler_etcd_writes_total"
+PHASES = "persys_scheduler_reconcile_phase_seconds_total"
 HEARTBEATS = "persys_scheduler_heartbeats_total"
 SCRAPE_EVERY_S = 0.2
 #: How long (plus 5 ms per created workload) the relay may take to drain the outbox.
@@ -274,6 +275,7 @@ def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, inter
         out.note("cycle_time_p99_ms", f"replica(s) {short} ran fewer cycles than asked")
     rpcs = 0.0
     writes = 0.0
+    phases: Counter[str] = Counter()
     by_method: Counter[str] = Counter()
     by_category: Counter[str] = Counter()
     for r in done:
@@ -287,6 +289,11 @@ def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, inter
             by_method[method] += round(n / r.cycles)
         for category, n in delta.by_label(WRITES, "category").items():
             by_category[category] += round(n / r.cycles)
+        for phase, seconds in delta.by_label(PHASES, "phase").items():
+            phases[phase] += seconds / r.cycles / len(done)
+    if phases:
+        out.note("cycle_time_p50_ms", "mean wall time per cycle by phase: " + ", ".join(
+            f"{phase} {seconds * 1000:,.0f} ms" for phase, seconds in phases.most_common()))
     if any(r.last is not None and r.last.exports(RPCS) for r in done):
         out.figures["agent_rpcs_per_cycle"] = round(rpcs, 1)
         out.note("agent_rpcs_per_cycle", "by method: " + _fmt(by_method))
