@@ -183,7 +183,8 @@ class FleetCounters:
 
     #: Agent RPCs received, by method (refused ones included).
     rpcs: Counter[str] = field(default_factory=Counter)
-    #: Control-plane outcomes: register_ok/_rejected/_errors, heartbeats_ok, heartbeat_errors, ...
+    #: Control-plane outcomes: register_ok/_rejected/_errors, heartbeats_ok, heartbeat_errors,
+    #: and the errors by gRPC code (``register_errors_DEADLINE_EXCEEDED``, ...)
     control: Counter[str] = field(default_factory=Counter)
     #: ApplyWorkload calls that reached a node (passed the node-id check).
     applies: int = 0
@@ -1051,6 +1052,7 @@ class Fleet:
                 )
             except grpc.aio.AioRpcError as exc:
                 counts["register_errors"] += 1
+                counts[f"register_errors_{exc.code().name}"] += 1
                 logger.debug("sim: RegisterNode %s failed: %s", node.node_id, exc.code())
             else:
                 accepted = answer.accepted
@@ -1074,6 +1076,7 @@ class Fleet:
             reply = await stub.Heartbeat(node.heartbeat_request(), timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             counts["heartbeat_errors"] += 1
+            counts[f"heartbeat_errors_{exc.code().name}"] += 1
             logger.debug("sim: Heartbeat %s failed: %s", node.node_id, exc.code())
             if ctl.gen != gen:
                 return None
