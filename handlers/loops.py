@@ -262,8 +262,11 @@ class _Shell:
 # -- reconcile -----------------------------------------------------------------------------------
 
 
-#: workloads planned between two yields to the event loop (about 10 ms of planning)
-PLAN_SLICE = 2_000
+#: workloads planned between two yields to the event loop: about 10 ms of planning in the
+#: steady state, where most workloads take the ``steady_running`` shortcut (2-3 us each).
+#: Every yield lets all waiting work run first: with 50,000 workloads per shard on a busy
+#: machine the plan phase took 1.5 s of wall time for well under 0.2 s of planning.
+PLAN_SLICE = 4_000
 
 
 async def plan_in_slices(specs: dict[str, WorkloadSpec], statuses: dict[str, WorkloadStatus],

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from ops.benchlib.procs import CpuMeter
 from ops.benchlib.quantiles import percentile
 from ops.benchlib.scenario import BenchContext, Outcome, Scenario
 from proto.persys.control.v1 import control_pb2
@@ -74,6 +75,9 @@ async def run(ctx: BenchContext) -> Outcome:
     total = int(rate * DURATION_S)
     sent: list[str] = []
     ctx.log(f"events: {total} SetNodeLabel at {rate:g}/s over {len(node_ids)} watched nodes")
+    # which process bounds the rate: the bench itself (senders and watchers on one loop) counts
+    cpu = CpuMeter(ctx.stack.process_pids())
+    cpu.start()
     began = time.monotonic()
     in_flight: set[asyncio.Task[Any]] = set()
 
@@ -105,6 +109,7 @@ async def run(ctx: BenchContext) -> Outcome:
         all_in.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(all_in.wait(), DRAIN_S)
+    cpu.stop()
     for call in watch_calls:
         call.cancel()
     await asyncio.gather(*watchers, return_exceptions=True)
@@ -119,6 +124,7 @@ async def run(ctx: BenchContext) -> Outcome:
     out.figures["events_lost"] = len(set(sent) - set(received))
     out.figures["events_duplicated"] = sum(len(v) - 1 for v in received.values() if len(v) > 1)
     out.notes["rate"] = f"asked {rate:g}/s, sent {achieved:.0f}/s (SetNodeLabel answered)"
+    out.notes["cpu"] = f"while sending and draining: {cpu.describe()}"
     if failed:
         out.notes["events"] = "SetNodeLabel failed: " + ", ".join(
             f"{count} {code}" for code, count in sorted(failed.items()))
