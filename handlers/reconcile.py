@@ -198,12 +198,20 @@ def dispatched_at(status: WorkloadStatus) -> datetime | None:
     return parse_rfc3339(status.status_info.last_updated)
 
 
+#: status metadata that ``halted`` reads (``steady_running`` refuses any workload carrying one)
+RETRY_TERMINAL = "retry_terminal"
+FAILURE_REASON = "failure_reason"
+HALT_KEYS = frozenset({RETRY_TERMINAL, FAILURE_REASON})
+
+
 def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy) -> str:
-    """Why re-applying must stop for good ('' if it must not), E4 ``shouldHaltReapply``."""
+    """Why re-applying must stop for good ('' if it must not), E4 ``shouldHaltReapply``.
+
+    A new metadata key read here belongs in ``HALT_KEYS`` too."""
     meta = status.metadata
-    if str(meta.get("retry_terminal", "")).strip().lower() in TRUTHY:
+    if str(meta.get(RETRY_TERMINAL, "")).strip().lower() in TRUTHY:
         return str(meta.get("retry_terminal_reason") or "retry marked terminal")
-    reason = str(meta.get("failure_reason", "")).strip().upper()
+    reason = str(meta.get(FAILURE_REASON, "")).strip().upper()
     if reason in TERMINAL_FAILURE_REASONS:
         return f"non-retryable failure {reason}"
     if exhausted(status, policy):
@@ -308,7 +316,7 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
 #: ``desiredState`` spellings that ``normalize_desired`` reads as Running, checked verbatim
 RUNNING_SPELLINGS = frozenset({RUNNING, "running", ""})
 #: status metadata any of which sends a workload down the full decision
-_NOT_STEADY_KEYS = SUCCESS_CLEARS | {"retry_terminal", "failure_reason"}
+_NOT_STEADY_KEYS = SUCCESS_CLEARS | HALT_KEYS
 
 
 def steady_running(spec: WorkloadSpec, status: WorkloadStatus,

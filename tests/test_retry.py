@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -30,6 +31,7 @@ from handlers.reconcile import (
     DELETE_RESIDUAL,
     FAILOVER,
     FAILOVER_REASSIGN,
+    FAILURE_REASON,
     FINALIZE,
     MARK_TERMINAL,
     MISSING_ON_AGENT,
@@ -40,6 +42,7 @@ from handlers.reconcile import (
     REAPPLY_BACKOFF_WAIT,
     REASSIGN,
     REASSIGN_MISSING_OWNER,
+    RETRY_TERMINAL,
     REVISION_MISMATCH,
     SETTLE,
     SETTLING,
@@ -438,41 +441,103 @@ def test_plan_cycle_covers_owned_nodes_and_unassigned_share() -> None:
     assert [a.workload_id for a in result.needing_io()] == ["c", "d"]
 
 
-@settings(max_examples=400)
-@given(st.sampled_from(["Running", "running", "", "Stopped", "stop", "Deleted", "RUNNING",
-                        " Running"]),
-       st.sampled_from(["Running", "Pending", "Scheduled", "Failed", "RetryPending", "Stopped"]),
-       st.sampled_from(["Running", "Pending", "Stopped", "Failed", "Unknown"]),
-       st.sampled_from(["rev-1", "rev-2", ""]), st.sampled_from(["rev-1", ""]),
-       st.integers(min_value=0, max_value=6), st.sampled_from(["", rfc3339(at(-5)),
-                                                              rfc3339(at(5))]),
-       st.dictionaries(st.sampled_from([LAST_APPLY_AT, LAST_APPLY_REVISION, REAPPLY_ATTEMPTS,
-                                        FAILURE_OBSERVED_AT, FAILURE_COUNTED_FOR,
-                                        "retry_terminal", "failure_reason", "note"]),
-                       st.sampled_from(["", "true", "INVALID_IMAGE", "x",
-                                        rfc3339(at(-3600))]), max_size=4),
-       st.floats(min_value=-100, max_value=1000))
-def test_the_steady_shortcut_never_changes_a_decision(
-        desired: str, state: str, agent: str, agent_revision: str, revision: str,
-        attempts: int, next_retry: str, meta: dict[str, str], t: float) -> None:
-    s = spec(desired=desired, revision=revision)
-    st_ = status(state=state, attempts=attempts, next_retry=next_retry, **meta)
-    obs = seen(agent, revision=agent_revision)
-    full = plan_workload(s, st_, obs, node_available=True, node_observed=True, now=at(t),
+def _steady_case(*, desired: str = "Running", state: str = "Running", agent: str = "Running",
+                 agent_revision: str = "rev-1", revision: str = "rev-1", attempts: int = 0,
+                 next_retry: str = "", **meta: str
+                 ) -> tuple[WorkloadSpec, WorkloadStatus, ObservedWorkload]:
+    """The steady state (a workload running where it should, applied long ago), with one or more
+    fields changed: the inputs on which the shortcut and the full decision could disagree."""
+    return (spec(desired=desired, revision=revision),
+            status(state=state, attempts=attempts, next_retry=next_retry,
+                   **{**APPLIED_LONG_AGO, **meta}),
+            seen(agent, revision=agent_revision))
+
+
+def _assert_shortcut_agrees(s: WorkloadSpec, st_: WorkloadStatus, obs: ObservedWorkload,
+                            now: datetime) -> None:
+    full = plan_workload(s, st_, obs, node_available=True, node_observed=True, now=now,
                          policy=POLICY)
     if steady_running(s, st_, obs):
         assert full.kind == NOOP
     nodes = {"n1": node_view("n1", Node(node_id="n1", status="Ready"), alive=True)}
     planned = plan_cycle({"w1": s}, {"w1": st_}, nodes=nodes,
                          observations={"n1": NodeObservation("n1", True, {"w1": obs})},
-                         owns_node=lambda n: True, owns_unassigned=lambda w: True, now=at(t),
+                         owns_node=lambda n: True, owns_unassigned=lambda w: True, now=now,
                          policy=POLICY)
     assert planned.kinds() == {"w1": full.kind}
 
 
+#: one change at a time from the steady state; every one that changes the decision must also
+#: turn the shortcut off (each row fails if the shortcut lost the check that covers it)
+NEAR_STEADY = [
+    ("retry_terminal", {RETRY_TERMINAL: "true"}, MARK_TERMINAL),
+    ("retry_terminal false", {RETRY_TERMINAL: "false"}, NOOP),
+    ("terminal failure reason", {FAILURE_REASON: "INVALID_IMAGE"}, MARK_TERMINAL),
+    ("other failure reason", {FAILURE_REASON: "OOM"}, NOOP),
+    ("attempts", {"attempts": 2}, SETTLE),
+    ("retry due later", {"next_retry": rfc3339(at(60))}, BACKOFF_WAIT),
+    ("retry due before", {"next_retry": rfc3339(at(-60))}, SETTLE),
+    ("failure observed", {FAILURE_OBSERVED_AT: rfc3339(at(-5))}, SETTLE),
+    ("failure counted", {FAILURE_COUNTED_FOR: rfc3339(at(-5))}, SETTLE),
+    ("re-apply attempts", {REAPPLY_ATTEMPTS: "2"}, SETTLE),
+    ("agent runs another revision", {"agent_revision": "rev-0"}, REAPPLY),
+    ("spec has another revision", {"revision": "rev-2"}, REAPPLY),
+    ("agent reports no revision", {"agent_revision": ""}, NOOP),
+    ("status lags", {"state": "Scheduled"}, SETTLE),
+    ("agent stopped it", {"agent": "Stopped"}, REAPPLY),
+    ("agent failed it", {"agent": "Failed"}, COUNT_FAILURE),
+    ("desired stopped", {"desired": "Stopped"}, APPLY_STOPPED),
+    ("desired deleted", {"desired": "Deleted"}, DELETE),
+    ("desired lower case", {"desired": "running"}, NOOP),
+    ("desired padded", {"desired": " Running "}, NOOP),
+    ("unchanged", {}, NOOP),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "expected"), NEAR_STEADY,
+                         ids=[row[0] for row in NEAR_STEADY])
+def test_the_steady_shortcut_is_off_wherever_the_decision_is_not_noop(
+        case: str, change: dict[str, Any], expected: str) -> None:
+    s, st_, obs = _steady_case(**change)
+    assert plan_workload(s, st_, obs, node_available=True, node_observed=True, now=T0,
+                         policy=POLICY).kind == expected
+    if expected != NOOP:
+        assert not steady_running(s, st_, obs)
+    _assert_shortcut_agrees(s, st_, obs, T0)
+
+
+def _near(baseline: Any, *others: Any) -> st.SearchStrategy[Any]:
+    """The baseline value half of the time, else one of the others: examples stay near the
+    steady state, where a missing check in the shortcut would show."""
+    return st.one_of(st.just(baseline), st.sampled_from(others))
+
+
+@settings(max_examples=400)
+@given(_near("Running", "running", "", "Stopped", "stop", "Deleted", "RUNNING", " Running"),
+       _near("Running", "Pending", "Scheduled", "Failed", "RetryPending", "Stopped"),
+       _near("Running", "Pending", "Stopped", "Failed", "Unknown"),
+       _near("rev-1", "rev-2", ""), _near("rev-1", ""),
+       _near(0, 1, 3, 6), _near("", rfc3339(at(-5)), rfc3339(at(5))),
+       st.dictionaries(st.sampled_from([REAPPLY_ATTEMPTS, FAILURE_OBSERVED_AT,
+                                        FAILURE_COUNTED_FOR, RETRY_TERMINAL, FAILURE_REASON,
+                                        "note"]),
+                       st.sampled_from(["", "true", "false", "INVALID_IMAGE", "x",
+                                        rfc3339(at(-3600))]), max_size=2),
+       st.floats(min_value=-100, max_value=1000))
+def test_the_steady_shortcut_never_changes_a_decision(
+        desired: str, state: str, agent: str, agent_revision: str, revision: str,
+        attempts: int, next_retry: str, meta: dict[str, str], t: float) -> None:
+    s, st_, obs = _steady_case(desired=desired, state=state, agent=agent,
+                               agent_revision=agent_revision, revision=revision,
+                               attempts=attempts, next_retry=next_retry, **meta)
+    _assert_shortcut_agrees(s, st_, obs, at(t))
+
+
 def test_the_steady_shortcut_takes_the_common_case() -> None:
-    assert steady_running(spec(), status(**APPLIED_LONG_AGO), seen("Running"))
-    assert not steady_running(spec(), status(**APPLIED_LONG_AGO), None)
+    assert steady_running(*_steady_case())
+    assert steady_running(*_steady_case(desired="running", note="kept"))
+    s, st_, _ = _steady_case()
+    assert not steady_running(s, st_, None)
 
 
 # -- E7 drift --------------------------------------------------------------------------------
@@ -596,22 +661,29 @@ def test_node_monitor_plan() -> None:
     assert plan_node_monitor(checks, now=T0, gc_after_s=0).collect == ()
 
 
-async def test_planning_in_slices_equals_one_plan() -> None:
+async def test_planning_in_slices_equals_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop plans in slices (yielding between them); the plan must not change."""
+    import handlers.loops
     from handlers.loops import PLAN_SLICE, plan_in_slices
 
+    monkeypatch.setattr(handlers.loops, "PLAN_YIELD_S", 0.0)  # yield after every slice
     count = PLAN_SLICE * 2 + 17
     states = ["Running", "Pending", "Failed", "Scheduled", "Stopped"]
     specs = {f"w{i}": spec(f"w{i}") for i in range(count)}
     statuses = {f"w{i}": status(f"w{i}", node=f"n{i % 7}" if i % 5 else "",
-                                state=states[i % len(states)], **APPLIED_LONG_AGO)
+                                state="Running" if i % 7 == 1 else states[i % len(states)],
+                                **APPLIED_LONG_AGO)
                 for i in range(count)}
     nodes = {f"n{i}": node_view(f"n{i}", Node(node_id=f"n{i}", status="Ready"), alive=i != 3)
              for i in range(7)}
-    obs = {"n1": NodeObservation("n1", True, {"w1": seen("Running", "w1")})}
+    # n1 runs its workloads (steady), except every third one, which its agent lost
+    on_n1 = [w for w, st_ in statuses.items() if st_.node_id == "n1"]
+    obs = {"n1": NodeObservation("n1", True, {w: seen("Running", w)
+                                              for n, w in enumerate(on_n1) if n % 3})}
     kwargs = {"nodes": nodes, "observations": obs, "owns_node": lambda n: n != "n2",
               "owns_unassigned": lambda w: hash(w) % 2 == 0, "now": T0, "policy": POLICY}
     whole = plan_cycle(specs, statuses, **kwargs)
     sliced = await plan_in_slices(specs, statuses, **kwargs)
     assert sliced == whole
     assert len(whole.actions) > PLAN_SLICE
+    assert len(whole.steady) > 50  # n1's running workloads, spread over every slice

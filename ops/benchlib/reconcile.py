@@ -8,8 +8,10 @@ watches ``--cycles`` reconcile cycles per replica:
   replica's ``reconcile_cycles_total`` moved by one, the cycle took the delta of
   ``reconcile_cycle_seconds_sum`` (a scrape costs the scheduler a few ms of CPU: every 0.2 s
   it was 2-5% of the samples of a profile of the window it measures);
-* per-cycle agent RPCs and etcd writes are the scheduler's counter deltas from the end of the
-  first observed cycle (a boundary, so no partial cycle is counted) to the end of the last;
+* per-cycle agent RPCs and etcd writes are the scheduler's counter deltas from the scrape that
+  saw the first observed cycle end to the scrape that saw the last one end (cycle boundaries,
+  give or take what the next cycle did before the scrape: at most a second of it at each end,
+  spread over ``--cycles`` cycles);
 * etcd writes per second come from the bench's own watch over the whole quiet window (any
   writer: heartbeat-driven status and node updates, and the cycles' writes if any);
 * RSS is read from /proc once the state is loaded.
