@@ -397,7 +397,7 @@ def plan_cycle(
         status = statuses.get(workload_id)
         if status is None or status.status.lower() in FINISHED_STATUSES:
             continue
-        node = status.node_id or status.assigned_node
+        node = node_of(status)
         if not node:
             if owns_unassigned(workload_id):
                 actions.append(plan_workload(spec, status, None, node_available=False,
