@@ -188,8 +188,11 @@ async def test_rate_limited_eviction_moves_one_node_and_the_other_keeps_its_work
         on = await _spread(s, 10)
         first, second = sorted(on)[:2]
         await s.fleet.node(first).crash()
-        await wait_for(lambda: s.status(on[first][0]).node_id != first, timeout=20,
-                       message="the first lost node's workloads move")
+        await wait_for(lambda: all(s.status(w).node_id != first for w in on[first]),
+                       timeout=20, message="the first lost node's workloads move")
+        # and run where they moved: an apply still in flight to the second node when it
+        # crashes would be lost with it, and its re-apply waits out the re-apply backoff
+        await s.running(on[first])
         await s.fleet.node(second).crash()
         await wait_for(lambda: s.sched.cluster.nodes.get(second).value.status  # type: ignore[union-attr]
                        == "NotReady", timeout=20)
