@@ -68,6 +68,7 @@ from handlers.reconcile import (
     DriftDeduper,
     DriftFinding,
     NodeCheck,
+    NodeFacts,
     NodeObservation,
     NodeView,
     classify_drift,
@@ -285,10 +286,11 @@ async def plan_in_slices(specs: dict[str, WorkloadSpec], statuses: dict[str, Wor
         return plan_cycle(specs, statuses, **kwargs)
     actions: list[Action] = []
     steady: list[str] = []
+    node_facts: dict[str, NodeFacts] = {}
     held_since = time.perf_counter()
     for start in range(0, len(ids), PLAN_SLICE):
         part = {wid: specs[wid] for wid in ids[start:start + PLAN_SLICE]}
-        planned = plan_cycle(part, statuses, **kwargs)
+        planned = plan_cycle(part, statuses, node_facts=node_facts, **kwargs)
         actions.extend(planned.actions)
         steady.extend(planned.steady)
         if time.perf_counter() - held_since >= PLAN_YIELD_S:
@@ -384,10 +386,10 @@ class ReconcileLoop(_Shell):
 
         await run_bounded(report.unreachable, self.concurrency, lost)
         self.decide_evictions(views, now)
-        # plain dicts: one C-speed pass, then every lookup of the plan is a dict lookup (a
-        # Mapping wrapper cost a Python call per lookup, hundreds of thousands per cycle)
-        specs = {k: item.value for k, item in self.cluster.specs.items.items()}
-        statuses = {k: item.value for k, item in self.cluster.statuses.items.items()}
+        # plain dicts copied in C: every lookup of the plan is a dict lookup (a Mapping
+        # wrapper cost a Python call per lookup, hundreds of thousands per cycle)
+        specs = self.cluster.specs.snapshot()
+        statuses = self.cluster.statuses.snapshot()
         findings: list[DriftFinding] = []
         if report.drift:
             expected = {n: self.cluster.workload_ids_on(n) for n in observations}

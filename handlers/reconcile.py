@@ -367,6 +367,11 @@ class CyclePlan:
         return out
 
 
+#: what planning needs of a workload's node: (owned, available, its listing if the list
+#: succeeded, may its workloads move)
+NodeFacts = tuple[bool, bool, Mapping[str, ObservedWorkload] | None, bool]
+
+
 def plan_cycle(
     specs: Mapping[str, WorkloadSpec],
     statuses: Mapping[str, WorkloadStatus],
@@ -379,6 +384,7 @@ def plan_cycle(
     policy: RetryPolicy,
     exclude: Collection[str] = (),
     evictable: Callable[[str], bool] | None = None,
+    node_facts: dict[str, NodeFacts] | None = None,
 ) -> CyclePlan:
     """Plan every workload this shard owns: those on its nodes, and its share of unassigned ones.
 
@@ -386,11 +392,13 @@ def plan_cycle(
     that is a half-visible projection, not a state to repair), and so are Completed and Deleted
     ones (E4 step 2). ``evictable(node_id)`` is the disruption guard's answer for unavailable
     nodes (None: every node may be evicted). What depends only on the node (ownership,
-    availability, its listing) is worked out once per node, not once per workload.
+    availability, its listing) is worked out once per node, not once per workload; callers that
+    plan one cycle in slices pass one ``node_facts`` dict to every slice, so it is worked out
+    once per cycle (the facts depend only on the cycle's inputs).
     """
     actions: list[Action] = []
     steady: list[str] = []
-    per_node: dict[str, tuple[bool, bool, Mapping[str, ObservedWorkload] | None, bool]] = {}
+    per_node = node_facts if node_facts is not None else {}
     for workload_id, spec in specs.items():
         if workload_id in exclude:
             continue
@@ -421,8 +429,7 @@ def plan_cycle(
 
 def _node_facts(node: str, nodes: Mapping[str, NodeView],
                 observations: Mapping[str, NodeObservation], owns_node: Callable[[str], bool],
-                evictable: Callable[[str], bool] | None
-                ) -> tuple[bool, bool, Mapping[str, ObservedWorkload] | None, bool]:
+                evictable: Callable[[str], bool] | None) -> NodeFacts:
     """(owned, available, its listing if the list succeeded, may its workloads move)."""
     if not owns_node(node):
         return False, False, None, False

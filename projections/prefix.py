@@ -69,6 +69,10 @@ class PrefixProjection(Generic[R]):
         self._watch_read_timeout = watch_read_timeout
         #: decoded items by id
         self.items: dict[str, Item[R]] = {}
+        #: the same values without their revisions, kept in step with ``items``: a reconcile
+        #: cycle snapshots 100,000 of them with one C-level ``dict.copy()`` (``snapshot``)
+        #: instead of a comprehension over ``items``, which took 0.3-0.7 s of each cycle
+        self._values: dict[str, R] = {}
         #: the revision the items reflect
         self.revision = 0
         self.ready = asyncio.Event()
@@ -97,7 +101,11 @@ class PrefixProjection(Generic[R]):
         return self.items.get(item_id)
 
     def values(self) -> list[R]:
-        return [item.value for item in self.items.values()]
+        return list(self._values.values())
+
+    def snapshot(self) -> dict[str, R]:
+        """A plain dict of every value as of now (a copy: later watch batches leave it be)."""
+        return self._values.copy()
 
     async def wait_for_revision(self, revision: int, timeout: float = 5.0) -> None:
         """Wait until the projection reflects ``revision`` (read-your-writes)."""
@@ -150,6 +158,7 @@ class PrefixProjection(Generic[R]):
             if item is not None:
                 items[item_id] = item
         self.items = items
+        self._values = {item_id: item.value for item_id, item in items.items()}
         self.revision = revision
         for listener in self.listeners:
             listener.reset(items)
@@ -169,13 +178,16 @@ class PrefixProjection(Generic[R]):
                 if old is None:
                     continue
                 del self.items[item_id]
+                del self._values[item_id]
                 new: Item[R] | None = None
             else:
                 new = self._decode_kv(item_id, event.kv)
                 if new is None:
                     self.items.pop(item_id, None)
+                    self._values.pop(item_id, None)
                 else:
                     self.items[item_id] = new
+                    self._values[item_id] = new.value
             for listener in self.listeners:
                 listener.changed(item_id, old, new)
         if batch.revision > self.revision:

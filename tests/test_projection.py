@@ -17,6 +17,16 @@ def _node(node_id: str, cpu: float = 1.0) -> bytes:
     return encode(Node(node_id=node_id, status="Ready", total_cpu=cpu))
 
 
+def _assert_snapshot_matches(projection: PrefixProjection[Node]) -> None:
+    """``snapshot()`` (what a reconcile cycle plans on) holds exactly the items' values, and
+    is a copy that later changes do not reach."""
+    snap = projection.snapshot()
+    assert snap == {item_id: item.value for item_id, item in projection.items.items()}
+    assert projection.values() == list(snap.values())
+    snap.clear()
+    assert len(projection.snapshot()) == len(projection.items)
+
+
 async def test_projection_follows_puts_deletes_and_survives_an_etcd_restart(etcd_private, key_root):
     etcd = AsyncEtcd([etcd_private.endpoint])
     layout = KeyLayout(key_root)
@@ -39,10 +49,13 @@ async def test_projection_follows_puts_deletes_and_survives_an_etcd_restart(etcd
         for i in range(6, 30):
             await etcd.txn([], [Put(layout.node(f"n{i}"), _node(f"n{i}"))])
         await etcd.txn([], [Delete(layout.node("n0"))])
+        # a record that no longer decodes leaves the projection (and its snapshot)
+        await etcd.txn([], [Put(layout.node("n7"), b"{not json")])
         revision = await etcd.current_revision()
         await wait_for(lambda: projection.revision >= revision, message="caught up")
-        assert set(projection.items) == {f"n{i}" for i in range(1, 30)}
+        assert set(projection.items) == {f"n{i}" for i in range(1, 30)} - {"n7"}
         assert "n5/status" not in projection.items
+        _assert_snapshot_matches(projection)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -70,6 +83,7 @@ async def test_relist_after_watch_start_revision_was_compacted(etcd_server, key_
             await wait_for(lambda: set(projection.items) == {"b"}, message="re-listed")
             assert projection.items["b"].value.total_cpu == 2.0
             assert projection.revision >= current
+            _assert_snapshot_matches(projection)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
