@@ -38,6 +38,9 @@ from eventsource.metrics import Metrics
 
 log = logging.getLogger("persys.leader")
 
+#: node ids whose ownership ``LeaderGate.owns`` remembers before it starts over
+OWNERSHIP_MEMO_MAX = 65_536
+
 
 def owns_node(node_id: str, *, active_active: bool, shard_count: int, shard_index: int) -> bool:
     """Shard ownership as the Go version: crc32(node id) mod count == index."""
@@ -81,6 +84,8 @@ class LeaderGate:
         self.active_active = active_active
         self.shard_count = shard_count
         self.shard_index = shard_index
+        #: node id -> owned by this shard (``owns``)
+        self._owned: dict[str, bool] = {}
         self.lease_ttl_s = lease_ttl_s
         self.renew_deadline_s = renew_deadline_s
         self.recampaign_backoff_s = recampaign_backoff_s
@@ -120,8 +125,16 @@ class LeaderGate:
         return lead.fence()
 
     def owns(self, node_id: str) -> bool:
-        return owns_node(node_id, active_active=self.active_active,
-                         shard_count=self.shard_count, shard_index=self.shard_index)
+        # asked for every node several times per cycle and per monitor pass; the answer never
+        # changes for a node id (the topology is fixed for the process), so it is remembered
+        owned = self._owned.get(node_id)
+        if owned is None:
+            if len(self._owned) >= OWNERSHIP_MEMO_MAX:
+                self._owned.clear()  # ids of removed nodes: start over rather than grow
+            owned = self._owned[node_id] = owns_node(
+                node_id, active_active=self.active_active, shard_count=self.shard_count,
+                shard_index=self.shard_index)
+        return owned
 
     def add_loop(self, name: str, interval_s: float, body: Callable[[], Awaitable[None]]) -> None:
         """Register a leader-only loop; it runs at once on gaining leadership, then per interval."""

@@ -193,3 +193,27 @@ async def test_active_active_every_node_reconciled_by_exactly_one_replica(
         if fleet is not None:
             await fleet.stop()
         replicas.stop_all()
+
+
+def test_shard_ownership_memo_answers_as_the_go_rule_and_stays_bounded(monkeypatch):
+    """``LeaderGate.owns`` remembers answers (asked for every node several times per cycle);
+    remembered or not, each answer is crc32(node id) mod count == index, and the memo starts
+    over instead of growing past its bound."""
+    from typing import Any
+
+    from eventsource.keys import KeyLayout
+    from handlers import leadership
+    from handlers.leadership import LeaderGate, owns_node
+
+    monkeypatch.setattr(leadership, "OWNERSHIP_MEMO_MAX", 50)
+    nothing: Any = None
+    gate = LeaderGate(nothing, KeyLayout("/t"), nothing, nothing, nothing, instance_id="r",
+                      active_active=True, shard_count=3, shard_index=1, lease_ttl_s=10,
+                      renew_deadline_s=6.0)
+    ids = [f"node-{i}" for i in range(200)] + [" node-7 "]
+    for _ in range(2):  # the second pass answers from the memo where it still holds the id
+        for node_id in ids:
+            assert gate.owns(node_id) == owns_node(node_id, active_active=True, shard_count=3,
+                                                   shard_index=1)
+            assert len(gate._owned) <= 50
+    assert 0 < sum(gate.owns(n) for n in ids) < len(ids)
