@@ -70,8 +70,9 @@ class PrefixProjection(Generic[R]):
         #: decoded items by id
         self.items: dict[str, Item[R]] = {}
         #: the same values without their revisions, kept in step with ``items``: a reconcile
-        #: cycle snapshots 100,000 of them with one C-level ``dict.copy()`` (``snapshot``)
-        #: instead of a comprehension over ``items``, which took 0.3-0.7 s of each cycle
+        #: cycle snapshots 100,000 of them with one C-level ``dict.copy()`` (``snapshot``); a
+        #: comprehension over ``items`` was, after the plan itself, the largest part of a
+        #: 5,000-node cycle's plan phase in a profile
         self._values: dict[str, R] = {}
         #: the revision the items reflect
         self.revision = 0
