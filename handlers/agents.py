@@ -37,6 +37,10 @@ KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 32 * 1024 * 1024),
 ]
 
+LIST_WORKLOADS = "ListWorkloads"
+#: ``call``'s name for ListWorkloads answered as bytes (counted as ListWorkloads)
+RAW_LIST_WORKLOADS = "ListWorkloads/raw"
+
 UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -60,12 +64,18 @@ class TlsFiles:
             return grpc.ssl_channel_credentials(ca.read(), key.read(), cert.read())
 
 
+#: ListWorkloads answered as the bytes on the wire (``list_workloads_raw``)
+LIST_WORKLOADS_PATH = "/persys.agent.v1.AgentService/ListWorkloads"
+
+
 @dataclass(slots=True)
 class _Entry:
     endpoint: str
     channel: grpc.aio.Channel
     stub: agent_pb2_grpc.AgentServiceStub
     tls_stamp: tuple[float, ...]
+    #: ListWorkloads without a response deserializer: the answer's bytes
+    raw_list: Any = None
 
 
 class AgentError(Exception):
@@ -138,7 +148,11 @@ class AgentPool:
             else:
                 channel = grpc.aio.insecure_channel(endpoint, options=KEEPALIVE_OPTIONS)
             stub = agent_pb2_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call]
-            entry = _Entry(endpoint, channel, stub, stamp)
+            raw_list = channel.unary_unary(
+                LIST_WORKLOADS_PATH,
+                request_serializer=agent_pb2.ListWorkloadsRequest.SerializeToString,
+                _registered_method=True)
+            entry = _Entry(endpoint, channel, stub, stamp, raw_list)
             self._entries[node_id] = entry
         return entry
 
@@ -176,7 +190,8 @@ class AgentPool:
         if leader_only:
             self.guard()
         entry = self._channel(node_id, endpoint)
-        rpc = getattr(entry.stub, method)
+        rpc = entry.raw_list if method == RAW_LIST_WORKLOADS else getattr(entry.stub, method)
+        method = LIST_WORKLOADS if method == RAW_LIST_WORKLOADS else method
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -207,12 +222,17 @@ class AgentPool:
         )
         return resp
 
-    async def list_workloads(self, node_id: str, endpoint: str,
-                             *, leader_only: bool = False) -> agent_pb2.ListWorkloadsResponse:
-        resp: agent_pb2.ListWorkloadsResponse = await self.call(
-            node_id, endpoint, "ListWorkloads", agent_pb2.ListWorkloadsRequest(),
-            leader_only=leader_only,
-        )
+    async def list_workloads_raw(self, node_id: str, endpoint: str,
+                                 *, leader_only: bool = False) -> bytes:
+        """ListWorkloads, answered as the serialized ``ListWorkloadsResponse``.
+
+        Why: a reconcile cycle lists every owned agent, and in a steady fleet an agent answers
+        what it answered last time. The caller compares the bytes with the last answer and
+        decodes only what changed (decoding 20 workloads and building their observations was
+        a tenth of a 5,000-node cycle's CPU).
+        """
+        resp: bytes = await self.call(node_id, endpoint, RAW_LIST_WORKLOADS,
+                                      agent_pb2.ListWorkloadsRequest(), leader_only=leader_only)
         return resp
 
     async def status(self, node_id: str, endpoint: str, workload_id: str,

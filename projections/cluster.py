@@ -5,7 +5,9 @@ allocations, liveness keys) and keeps the secondary indexes hot paths need, upda
 incrementally as changes are folded, never rebuilt per request:
 
 * workloads by node (for ListWorkloads by node, drain, reconcile and the spread score),
-* per-node counts of live workloads (spread factor) and their running maximum.
+* unassigned workloads (reconcile places them),
+* per-node counts of live workloads (spread factor) and their running maximum,
+* per-node change stamps (reconcile skips re-checking nodes whose inputs did not change).
 
 All of it lives on the event loop thread; a synchronous reader never sees half of a batch.
 """
@@ -56,15 +58,45 @@ def node_of(status: WorkloadStatus) -> str:
 
 
 class WorkloadIndex:
-    """Workloads by node, and live workload counts per node, kept from status changes."""
+    """Workloads by node, unassigned workloads, live counts per node, and per-node change stamps.
+
+    Kept from status changes (and, for the stamps, spec changes) as they are folded. The stamps
+    let a reconcile cycle tell that nothing planned for a node changed since the last cycle
+    without looking at its workloads: every change of a status on a node or of the spec of a
+    workload indexed on it gives the node a new stamp, and a re-list of either projection starts
+    a new generation (``stamp`` includes it), so no stamp taken before a re-list matches after.
+    """
 
     def __init__(self) -> None:
         self.by_node: dict[str, set[str]] = {}
         self.node_of: dict[str, str] = {}
+        #: active workloads without a node, in the order they became so (placement order)
+        self.unassigned: dict[str, None] = {}
         self.counts: Counter[str] = Counter()
         self._max_cache: int | None = 0
+        self._stamps: dict[str, int] = {}
+        self._clock = 0
+        self._generation = 0
+
+    def stamp(self, node_id: str) -> tuple[int, int]:
+        """Equal across two reads only if nothing indexed on ``node_id`` changed in between."""
+        return self._generation, self._stamps.get(node_id, 0)
+
+    def touch(self, node_id: str) -> None:
+        """Give ``node_id`` a new stamp. Only indexed nodes carry stamps (so they stay bounded
+        by the nodes that hold workloads): a node without workloads answers stamp 0."""
+        if node_id in self.by_node:
+            self._clock += 1
+            self._stamps[node_id] = self._clock
+
+    def touch_workload(self, workload_id: str) -> None:
+        """The spec of ``workload_id`` changed: its node (if it has one) has new inputs."""
+        node = self.node_of.get(workload_id)
+        if node is not None:
+            self.touch(node)
 
     def _remove(self, workload_id: str) -> None:
+        self.unassigned.pop(workload_id, None)
         node = self.node_of.pop(workload_id, None)
         if node is None:
             return
@@ -73,14 +105,18 @@ class WorkloadIndex:
             members.discard(workload_id)
             if not members:
                 del self.by_node[node]
+                self._stamps.pop(node, None)  # a later touch takes a fresh (larger) clock value
         self.counts[node] -= 1
         if self.counts[node] <= 0:
             del self.counts[node]
         self._max_cache = None
 
     def _add(self, workload_id: str, status: WorkloadStatus) -> None:
+        if status.status.lower() in INACTIVE_STATUSES:
+            return
         node = node_of(status)
-        if not node or status.status.lower() in INACTIVE_STATUSES:
+        if not node:
+            self.unassigned[workload_id] = None
             return
         self.node_of[workload_id] = node
         self.by_node.setdefault(node, set()).add(workload_id)
@@ -94,31 +130,55 @@ class WorkloadIndex:
         old: Item[WorkloadStatus] | None,
         new: Item[WorkloadStatus] | None,
     ) -> None:
+        if old is not None:
+            self.touch(node_of(old.value))  # while its old node still indexes it
         if (
-            old is not None
-            and new is not None
-            and node_of(old.value) == node_of(new.value)
-            and (old.value.status.lower() in INACTIVE_STATUSES)
-            == (new.value.status.lower() in INACTIVE_STATUSES)
+            old is None
+            or new is None
+            or node_of(old.value) != node_of(new.value)
+            or (old.value.status.lower() in INACTIVE_STATUSES)
+            != (new.value.status.lower() in INACTIVE_STATUSES)
         ):
-            return
-        self._remove(item_id)
+            self._remove(item_id)
+            if new is not None:
+                self._add(item_id, new.value)
         if new is not None:
-            self._add(item_id, new.value)
+            self.touch(node_of(new.value))  # once its new node indexes it
 
     def reset(self, items: dict[str, Item[WorkloadStatus]]) -> None:
         self.by_node.clear()
         self.node_of.clear()
+        self.unassigned.clear()
         self.counts.clear()
         self._max_cache = None
+        self.new_generation()
         for item_id, item in items.items():
             self._add(item_id, item.value)
+
+    def new_generation(self) -> None:
+        """Invalidate every stamp handed out so far (a projection was re-listed)."""
+        self._generation += 1
+        self._stamps.clear()
 
     @property
     def max_count(self) -> int:
         if self._max_cache is None:
             self._max_cache = max(self.counts.values(), default=0)
         return self._max_cache
+
+
+class SpecChanges:
+    """Listener on the specs projection: a changed spec gives its workload's node a new stamp."""
+
+    def __init__(self, index: WorkloadIndex) -> None:
+        self.index = index
+
+    def changed(self, item_id: str, old: Item[WorkloadSpec] | None,
+                new: Item[WorkloadSpec] | None) -> None:
+        self.index.touch_workload(item_id)
+
+    def reset(self, items: dict[str, Item[WorkloadSpec]]) -> None:
+        self.index.new_generation()
 
 
 class ClusterProjection:
@@ -147,6 +207,7 @@ class ClusterProjection:
         )
         self.workloads = WorkloadIndex()
         self.statuses.listeners.append(self.workloads)
+        self.specs.listeners.append(SpecChanges(self.workloads))
 
     @property
     def projections(self) -> list[PrefixProjection[object]]:

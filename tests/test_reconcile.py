@@ -237,6 +237,8 @@ async def test_killed_workload_is_reapplied_after_the_guard(
         reconcile = s.loops.reconcile
         applied_at = last_apply(s.status("web"))
         holder = s.holder("web")
+        # the agent's changed answer must reach the plan past the listing cache and the memo
+        await _until_memoised(s)
         assert holder.kill_workloads(["web"]) == 1
         applies = s.fleet.counters.rpcs["ApplyWorkload"]
 
@@ -272,6 +274,17 @@ async def test_killed_workload_is_reapplied_after_the_guard(
         assert scheduled
 
 
+async def _until_memoised(s: Stack) -> None:
+    """Cycles until the one workload's node is answered from the steady-node memo (a cycle or
+    two may still settle bookkeeping first)."""
+    reconcile = s.loops.reconcile
+    for _ in range(5):
+        report = await reconcile.run_once()
+        if len(reconcile.steady_nodes) == 1 and report.actions == {NOOP: 1}:
+            return
+    raise AssertionError(f"the node was never memoised as steady: {report}")
+
+
 async def _has_reason(s: Stack, event_type: str, wid: str, reason: str) -> list[Any]:
     return [e for e in await s.events(event_type, workload_id=wid) if e.reason == reason]
 
@@ -282,6 +295,8 @@ async def test_stopped_workload_gets_stop_applied(etcd_server, redis_server, key
     async with stack(settings, 2) as s:
         await s.apply(["svc"])
         await s.running(["svc"])
+        # the spec change below must reach the plan through the watch (the index's stamp)
+        await _until_memoised(s)
         st = s.status("svc")
         # desired Stopped while the agent still runs it (as if the dispatcher's stop was lost)
         spec_item = s.sched.cluster.specs.get("svc")

@@ -659,31 +659,3 @@ def test_node_monitor_plan() -> None:
     assert result.lost == ("active-expired", "ready-expired")
     assert result.collect == ("old-notready",)
     assert plan_node_monitor(checks, now=T0, gc_after_s=0).collect == ()
-
-
-async def test_planning_in_slices_equals_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loop plans in slices (yielding between them); the plan must not change."""
-    import handlers.loops
-    from handlers.loops import PLAN_SLICE, plan_in_slices
-
-    monkeypatch.setattr(handlers.loops, "PLAN_YIELD_S", 0.0)  # yield after every slice
-    count = PLAN_SLICE * 2 + 17
-    states = ["Running", "Pending", "Failed", "Scheduled", "Stopped"]
-    specs = {f"w{i}": spec(f"w{i}") for i in range(count)}
-    statuses = {f"w{i}": status(f"w{i}", node=f"n{i % 7}" if i % 5 else "",
-                                state="Running" if i % 7 == 1 else states[i % len(states)],
-                                **APPLIED_LONG_AGO)
-                for i in range(count)}
-    nodes = {f"n{i}": node_view(f"n{i}", Node(node_id=f"n{i}", status="Ready"), alive=i != 3)
-             for i in range(7)}
-    # n1 runs its workloads (steady), except every third one, which its agent lost
-    on_n1 = [w for w, st_ in statuses.items() if st_.node_id == "n1"]
-    obs = {"n1": NodeObservation("n1", True, {w: seen("Running", w)
-                                              for n, w in enumerate(on_n1) if n % 3})}
-    kwargs = {"nodes": nodes, "observations": obs, "owns_node": lambda n: n != "n2",
-              "owns_unassigned": lambda w: hash(w) % 2 == 0, "now": T0, "policy": POLICY}
-    whole = plan_cycle(specs, statuses, **kwargs)
-    sliced = await plan_in_slices(specs, statuses, **kwargs)
-    assert sliced == whole
-    assert len(whole.actions) > PLAN_SLICE
-    assert len(whole.steady) > 50  # n1's running workloads, spread over every slice
