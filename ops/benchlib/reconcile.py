@@ -273,8 +273,8 @@ def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, inter
         out.note("cycle_time_p99_ms", f"{len(durations)} cycles over {len(done)} replica(s), "
                  "each timed exactly from the histogram's sum and count"
                  + (f"; {merged} scrape(s) held several cycles (averaged)" if merged else ""))
-    out.note("cycle_time_p99_ms", "each cycle in order, in seconds: " + "; ".join(
-        f"replica {i}: " + " ".join(f"{d:.1f}" for d in r.durations_s)
+    out.note("cycle_time_p99_ms", "each cycle in order, in ms: " + "; ".join(
+        f"replica {i}: " + " ".join(f"{d * 1000:.0f}" for d in r.durations_s)
         for i, r in enumerate(replicas) if r.durations_s))
     short = [i for i, r in enumerate(replicas) if r.end is None]
     if short:
