@@ -8,6 +8,12 @@ needs it. In steady state a cycle therefore makes exactly one agent RPC per owne
 etcd write at all; every write it does make is a CAS transaction carrying the leader fence, and
 every agent call is ``leader_only`` (renew-deadline check + ``x-persys-leader-term``).
 
+A steady cycle also costs little CPU beyond its RPCs: an agent answer equal (byte for byte) to
+its last one is not decoded again, and a node whose view, listing and workload records (the
+index's stamp) are what they were when it was last found entirely steady is answered from a
+memo (``plan_by_node``, ``SteadyNodes``) without reading its workloads. Tests hold that plan to
+``plan_cycle``, the whole-cycle reference, through every kind of change.
+
 Drift detection (E7) reuses a cycle's prefetch: the drift loop only asks for it, and the next
 (or the running) reconcile cycle classifies and remediates drift on the lists it already has.
 
