@@ -37,10 +37,6 @@ KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 32 * 1024 * 1024),
 ]
 
-LIST_WORKLOADS = "ListWorkloads"
-#: ``call``'s name for ListWorkloads answered as bytes (counted as ListWorkloads)
-RAW_LIST_WORKLOADS = "ListWorkloads/raw"
-
 UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -75,7 +71,7 @@ class _Entry:
     stub: agent_pb2_grpc.AgentServiceStub
     tls_stamp: tuple[float, ...]
     #: ListWorkloads without a response deserializer: the answer's bytes
-    raw_list: Any = None
+    raw_list: Any
 
 
 class AgentError(Exception):
@@ -185,13 +181,16 @@ class AgentPool:
         *,
         timeout: float | None = None,
         leader_only: bool = False,
+        raw: bool = False,
     ) -> Any:
-        """One agent RPC with a deadline; raises ``AgentError`` (or ``NotLeader``)."""
+        """One agent RPC with a deadline; raises ``AgentError`` (or ``NotLeader``).
+
+        ``raw`` (ListWorkloads only) answers the response's bytes, undecoded.
+        """
         if leader_only:
             self.guard()
         entry = self._channel(node_id, endpoint)
-        rpc = entry.raw_list if method == RAW_LIST_WORKLOADS else getattr(entry.stub, method)
-        method = LIST_WORKLOADS if method == RAW_LIST_WORKLOADS else method
+        rpc = entry.raw_list if raw else getattr(entry.stub, method)
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -231,8 +230,9 @@ class AgentPool:
         decodes only what changed (decoding 20 workloads and building their observations was
         a tenth of a 5,000-node cycle's CPU).
         """
-        resp: bytes = await self.call(node_id, endpoint, RAW_LIST_WORKLOADS,
-                                      agent_pb2.ListWorkloadsRequest(), leader_only=leader_only)
+        resp: bytes = await self.call(node_id, endpoint, "ListWorkloads",
+                                      agent_pb2.ListWorkloadsRequest(), leader_only=leader_only,
+                                      raw=True)
         return resp
 
     async def status(self, node_id: str, endpoint: str, workload_id: str,
