@@ -34,7 +34,7 @@ from typing import Any
 from ops.benchlib.clients import ApiClients
 from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.scenario import BenchContext, Outcome, Scenario
-from ops.benchlib.stack import Stack, StackError, StackOptions
+from ops.benchlib.stack import NODES_PER_SIM_PROCESS, Stack, StackError, StackOptions
 from ops.benchlib.workloads import run_prefix
 from ops.devstack import ServerStartError
 
@@ -45,6 +45,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -116,6 +123,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                             "last apply. Against --scheduler, tell the bench the target's guard")
     stack.add_argument("--apply-latency", type=_non_negative_float, default=0.2, metavar="S",
                        help="simulated agents: delay from PENDING to RUNNING (default 0.2)")
+    stack.add_argument("--sim-processes", type=_non_negative_int, default=0, metavar="K",
+                       help="simulator processes sharing the fleet (default 0: one per "
+                            f"{NODES_PER_SIM_PROCESS:,} nodes), so that one process's event loop "
+                            "answering every ListWorkloads is not what the bench measures")
     stack.add_argument("--keep", action="store_true", help="keep the run's logs and data")
     target = parser.add_argument_group("an existing target (the bench then starts only the fleet)")
     target.add_argument("--scheduler", type=_addresses, default=None, metavar="HOST:PORT[,...]",
@@ -141,6 +152,7 @@ def _stack_options(args: argparse.Namespace, scenario: Scenario) -> StackOptions
         reconcile_interval_s=args.reconcile_interval,
         reapply_guard_s=args.reapply_guard,
         apply_latency_s=args.apply_latency,
+        sim_processes=args.sim_processes,
         seed=args.seed,
         fleet_in_process=scenario.fleet_in_process,
         scheduler_addrs=list(args.scheduler or []),

@@ -787,7 +787,10 @@ class Fleet:
 
     Args:
         scheduler: ``host:port`` of the scheduler's AgentControl service.
-        count: number of nodes; ids are ``f"{prefix}{i:05d}"`` for i = 1..count.
+        count: number of nodes; ids are ``f"{prefix}{i:05d}"`` for i = first..first+count-1.
+        first: the first node's index; several simulator processes with disjoint ranges make
+            one fleet (its nodes are spread over the scheduler addresses by index, so the
+            spread is the same as one process's).
         behaviour: shared by every node without an entry in ``behaviours``.
         behaviours: per-node overrides, by node id.
         heartbeat_interval_s: overrides the interval RegisterNode answers (tests).
@@ -806,6 +809,7 @@ class Fleet:
         scheduler: str,
         *,
         count: int = 20,
+        first: int = 1,
         prefix: str = "sim-node-",
         behaviour: NodeBehaviour | None = None,
         behaviours: Mapping[str, NodeBehaviour] | None = None,
@@ -818,8 +822,9 @@ class Fleet:
     ) -> None:
         if concurrency is None:
             concurrency = count
-        if count < 1 or concurrency < 1 or control_channels < 1 or start_batch < 1:
-            raise ValueError("count, concurrency, control_channels and start_batch must be >= 1")
+        if min(count, first, concurrency, control_channels, start_batch) < 1:
+            raise ValueError(
+                "count, first, concurrency, control_channels and start_batch must be >= 1")
         if heartbeat_interval_s is not None and heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
         self.scheduler = scheduler
@@ -840,7 +845,7 @@ class Fleet:
         default = behaviour if behaviour is not None else NodeBehaviour()
         overrides = behaviours or {}
         nodes: list[SimNode] = []
-        for i in range(1, count + 1):
+        for i in range(first, first + count):
             node_id = f"{prefix}{i:05d}"
             node = SimNode(
                 node_id,
@@ -1239,6 +1244,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="override the interval the scheduler answers at registration",
     )
+    parser.add_argument(
+        "--first-index",
+        type=_positive_int,
+        default=1,
+        metavar="I",
+        help="index of the first node id (default 1); processes with disjoint ranges are one fleet",
+    )
     parser.add_argument("--prefix", default="sim-node-", help="node id prefix (default sim-node-)")
     parser.add_argument(
         "--cpu", type=_positive_int, default=8000, help="millicores per node (default 8000)"
@@ -1309,6 +1321,7 @@ async def run_sim(args: argparse.Namespace) -> int:
     fleet = Fleet(
         args.scheduler,
         count=args.nodes,
+        first=args.first_index,
         prefix=args.prefix,
         behaviour=behaviour,
         heartbeat_interval_s=args.heartbeat_interval,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ops.benchlib.etcdwatch import key_group
+from ops.benchlib.fleetstats import merge_fleet_stats
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import bucket_quantile, percentile
 from ops.benchlib.stack import Stack, StackOptions
@@ -79,11 +81,19 @@ def test_place_contract_and_no_node_over_capacity():
 
 
 @pytest.mark.timeout(120)
-def test_reconcile_contract():
-    result, elapsed = run_bench("reconcile", *FAST, "--cycles", "2")
+def test_reconcile_contract_with_the_fleet_in_two_processes():
+    result, elapsed = run_bench("reconcile", *FAST, "--cycles", "2", "--sim-processes", "2")
     check_contract(result, "reconcile")
     assert result["figures"]["scheduler_rss_mib"] > 0
     assert result["figures"]["heartbeat_etcd_writes_per_s"] is not None
+    # both halves of the fleet answered the cycles and their counters were summed
+    assert "sim-0" in result["notes"]["cpu"]
+    assert "sim-1" in result["notes"]["cpu"]
+    assert result["figures"]["agent_rpcs_per_cycle"] == pytest.approx(5, abs=0.5)
+    counted = re.search(r"the agents themselves counted ([0-9.]+) per cycle",
+                        result["notes"]["agent_rpcs_per_cycle"])
+    assert counted is not None, result["notes"]
+    assert float(counted.group(1)) == pytest.approx(5, abs=1)  # not one process's 2 or 3
     assert elapsed < 60
 
 
@@ -176,6 +186,38 @@ def test_the_fleet_is_spread_over_shard_replicas() -> None:
     finally:
         for stack in (shards, failover):
             shutil.rmtree(stack.workdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("nodes", "asked", "parts"), [
+    (5, 0, [(1, 5)]),
+    (2500, 0, [(1, 2500)]),
+    (5000, 0, [(1, 2500), (2501, 2500)]),
+    (5001, 0, [(1, 1667), (1668, 1667), (3335, 1667)]),
+    (5, 2, [(1, 3), (4, 2)]),
+    (2, 5, [(1, 1), (2, 1)]),
+])
+def test_the_fleet_is_split_into_disjoint_ranges(nodes: int, asked: int,
+                                                 parts: list[tuple[int, int]]) -> None:
+    assert StackOptions(nodes=nodes, sim_processes=asked).fleet_parts() == parts
+
+
+def test_fleet_stats_of_several_processes_read_as_one_fleet() -> None:
+    a = {"nodes": 2, "registered": 2, "rpcs": {"ListWorkloads": 10, "ApplyWorkload": 1},
+         "workloads_by_state": {"Running": 3}, "max_term_seen": 4, "timer_lag_max_s": 0.5,
+         "over_capacity_node_ids": ["n1"], "per_node": {"n1": 2, "n2": 1},
+         "applies_by_term": {"4": 1}}
+    b = {"nodes": 3, "registered": 1, "rpcs": {"ListWorkloads": 7},
+         "workloads_by_state": {"Running": 1, "Pending": 2}, "max_term_seen": 6,
+         "timer_lag_max_s": 0.1, "over_capacity_node_ids": ["n3"], "per_node": {"n3": 3},
+         "applies_by_term": {"4": 2, "6": 1}}
+    merged = merge_fleet_stats([a, b])
+    assert merged == {
+        "nodes": 5, "registered": 3, "rpcs": {"ListWorkloads": 17, "ApplyWorkload": 1},
+        "workloads_by_state": {"Running": 4, "Pending": 2}, "max_term_seen": 6,
+        "timer_lag_max_s": 0.5, "over_capacity_node_ids": ["n1", "n3"],
+        "per_node": {"n1": 2, "n2": 1, "n3": 3}, "applies_by_term": {"4": 3, "6": 1}}
+    assert a["rpcs"] == {"ListWorkloads": 10, "ApplyWorkload": 1}  # inputs untouched
+    assert merge_fleet_stats([a]) == a
 
 
 def test_prometheus_text_sums_subtracts_and_knows_what_is_exported():

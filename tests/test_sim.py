@@ -172,6 +172,19 @@ async def state_of(stub: agent_pb2_grpc.AgentServiceStub, workload_id: str) -> i
 # ----------------------------------------------------------------------------------------------
 
 
+async def test_a_fleet_part_takes_its_own_index_range(
+    control: tuple[FakeControl, str], make_fleet: FleetFactory
+) -> None:
+    # the bench runs a large fleet as several processes; their ids must not collide
+    fake, _ = control
+    fleet = await make_fleet(count=2, first=4)
+    ids = [n.node_id for n in fleet.nodes]
+    assert ids == ["sim-node-00004", "sim-node-00005"]
+    await wait_for(lambda: sorted(set(fake.registered_ids())) == ids, message="registrations")
+    with pytest.raises(ValueError, match="first"):
+        Fleet("127.0.0.1:1", count=2, first=0)
+
+
 async def test_all_nodes_register_and_heartbeat_at_the_scheduler_interval(
     control: tuple[FakeControl, str], make_fleet: FleetFactory
 ) -> None:
@@ -575,6 +588,7 @@ def test_sim_arguments_defaults_and_validation() -> None:
     assert args.failure_rate == 0.0
     assert args.heartbeat_interval is None
     assert args.prefix == "sim-node-"
+    assert args.first_index == 1
     assert (args.cpu, args.memory) == (8000, 16384)
     assert args.stats_port == 0
     assert args.seed is None

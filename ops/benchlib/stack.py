@@ -4,8 +4,12 @@ Why a separate simulator process: a scheduler holding 5,000 agent channels and a
 fleet in one process would sit near this machine's 20,000 open-file limit (BENCH.md facts), and
 the CPU each side burns would be indistinguishable. So by default the fleet is
 ``persys-scheduler sim --stats-port P`` in its own process and the bench reads its counters over
-``GET /stats``. A scenario that must act on agents directly (``churn`` kills workloads, which
-``/stats`` cannot do) runs the fleet in the bench process instead (``fleet_in_process``).
+``GET /stats``. A large fleet is several such processes with disjoint node ranges (one per
+``NODES_PER_SIM_PROCESS`` nodes unless ``--sim-processes`` says otherwise): in production every
+agent answers ListWorkloads on its own host, while one simulator process answering 5,000 of
+them per reconcile cycle spends 3.3 s of one core and would be what the bench measures.
+A scenario that must act on agents directly (``churn`` kills workloads, which ``/stats``
+cannot do) runs the fleet in the bench process instead (``fleet_in_process``).
 
 What the bench starts (private etcd and Redis from ``ops.devstack``, ``--replicas`` scheduler
 processes, the fleet) it stops in reverse order in ``stop()``, which is safe to call after any
@@ -32,6 +36,7 @@ from typing import Any
 
 import grpc
 
+from ops.benchlib.fleetstats import merge_fleet_stats
 from ops.benchlib.httpget import HttpError, get_json, http_get
 from ops.benchlib.procs import Child
 from ops.benchlib.promtext import MetricsSnapshot
@@ -41,6 +46,8 @@ HOST = "127.0.0.1"
 #: Extra start-up allowance per simulated node (5,000 nodes register in minutes, not seconds,
 #: when the scheduler is the bottleneck).
 STARTUP_PER_NODE_S = 0.05
+#: Nodes per simulator process when the bench picks the count.
+NODES_PER_SIM_PROCESS = 2500
 #: Lowest port service_port() picks.
 PORT_FLOOR = 10000
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +69,8 @@ class StackOptions:
     reconcile_interval_s: float = 5.0
     reapply_guard_s: float = 15.0
     apply_latency_s: float = 0.2
+    #: Simulator processes sharing the fleet; 0: one per NODES_PER_SIM_PROCESS nodes.
+    sim_processes: int = 0
     seed: int | None = None
     fleet_in_process: bool = False
     #: External target (``--scheduler``/``--metrics``/``--etcd``): nothing of it is started.
@@ -78,6 +87,19 @@ class StackOptions:
     def external(self) -> bool:
         return bool(self.scheduler_addrs)
 
+    def fleet_parts(self) -> list[tuple[int, int]]:
+        """(first node index, node count) of each simulator process, covering 1..nodes."""
+        wanted = self.sim_processes or -(-self.nodes // NODES_PER_SIM_PROCESS)
+        parts = max(1, min(wanted, self.nodes))
+        base, extra = divmod(self.nodes, parts)
+        out: list[tuple[int, int]] = []
+        first = 1
+        for i in range(parts):
+            count = base + (1 if i < extra else 0)
+            out.append((first, count))
+            first += count
+        return out
+
 
 class Stack:
     """The running system: addresses, processes and the fleet's counters."""
@@ -93,8 +115,9 @@ class Stack:
         self.scheduler_pids: dict[str, int] = {
             f"scheduler-{i}": pid for i, pid in enumerate(options.scheduler_pids)}
         self.schedulers: list[Child] = []
-        self.sim: Child | None = None
-        self.sim_stats_addr = ""
+        #: Simulator processes, and the /stats address of each.
+        self.sims: list[Child] = []
+        self.sim_stats_addrs: list[str] = []
         self.fleet: Any = None  # ops.sim.Fleet when in process (imported lazily)
         self._etcd: EtcdProcess | None = None
         self._redis: RedisProcess | None = None
@@ -240,30 +263,35 @@ class Stack:
                                seed=o.seed)
             await self.fleet.start()
             return
-        port = service_port(self._ports)
-        argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", self._fleet_target(),
-                "--nodes", str(o.nodes), "--stats-port", str(port), "--report-every", "0",
-                "--apply-latency", f"{o.apply_latency_s:g}"]
-        if o.seed is not None:
-            argv += ["--seed", str(o.seed)]
-        self.sim = Child("sim", argv, env=dict(os.environ), log=self.workdir / "sim.log",
-                         cwd=_PROJECT_ROOT)
-        self.sim_stats_addr = f"{HOST}:{port}"
+        parts = o.fleet_parts()
+        for i, (first, count) in enumerate(parts):
+            port = service_port(self._ports)
+            argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", self._fleet_target(),
+                    "--nodes", str(count), "--first-index", str(first),
+                    "--stats-port", str(port), "--report-every", "0",
+                    "--apply-latency", f"{o.apply_latency_s:g}"]
+            if o.seed is not None:
+                argv += ["--seed", str(o.seed + i)]
+            name = "sim" if len(parts) == 1 else f"sim-{i}"
+            self.sims.append(Child(name, argv, env=dict(os.environ),
+                                   log=self.workdir / f"{name}.log", cwd=_PROJECT_ROOT))
+            self.sim_stats_addrs.append(f"{HOST}:{port}")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + o.startup_timeout_s
-        while True:
-            if not self.sim.running():
-                raise StackError(f"the simulator exited with {self.sim.proc.returncode}:\n"
-                                 f"{self.sim.tail()}")
-            try:
-                await get_json(self.sim_stats_addr, "/stats", timeout=5.0)
-                return
-            except (OSError, HttpError):
-                pass
-            if loop.time() > deadline:
-                raise StackError(f"the simulator did not serve /stats within "
-                                 f"{o.startup_timeout_s:g}s:\n{self.sim.tail()}")
-            await asyncio.sleep(0.2)
+        for sim, addr in zip(self.sims, self.sim_stats_addrs, strict=True):
+            while True:
+                if not sim.running():
+                    raise StackError(f"{sim.name} exited with {sim.proc.returncode}:\n"
+                                     f"{sim.tail()}")
+                try:
+                    await get_json(addr, "/stats", timeout=5.0)
+                    break
+                except (OSError, HttpError):
+                    pass
+                if loop.time() > deadline:
+                    raise StackError(f"{sim.name} did not serve /stats within "
+                                     f"{o.startup_timeout_s:g}s:\n{sim.tail()}")
+                await asyncio.sleep(0.2)
 
     async def _wait_registered(self) -> None:
         """Every replica's API counts all simulated nodes Ready.
@@ -304,12 +332,14 @@ class Stack:
     # -- observation ----------------------------------------------------------------------------
 
     async def fleet_stats(self, *, per_node: bool = False) -> dict[str, Any]:
-        """The simulator's own counters (``ops.sim.Fleet.stats``)."""
+        """The simulator's own counters (``ops.sim.Fleet.stats``), summed over its processes."""
         if self.fleet is not None:
             stats: dict[str, Any] = self.fleet.stats(per_node=per_node)
             return stats
-        return await get_json(self.sim_stats_addr, "/stats?per_node=1" if per_node else "/stats",
-                              timeout=60.0)
+        path = "/stats?per_node=1" if per_node else "/stats"
+        parts = await asyncio.gather(*(get_json(addr, path, timeout=60.0)
+                                       for addr in self.sim_stats_addrs))
+        return merge_fleet_stats(parts)
 
     async def scrape(self) -> list[MetricsSnapshot | None]:
         """``/metrics`` of every replica (None for one that did not answer)."""
@@ -339,8 +369,8 @@ class Stack:
     def process_pids(self) -> dict[str, int]:
         """Every process of the run worth accounting, by name (the bench itself included)."""
         pids = dict(self.scheduler_pids)
-        if self.sim is not None:
-            pids["sim"] = self.sim.pid
+        for sim in self.sims:
+            pids[sim.name] = sim.pid
         if self._etcd is not None and self._etcd.pid is not None:
             pids["etcd"] = self._etcd.pid
         if self._redis is not None and self._redis.pid is not None:
@@ -360,7 +390,7 @@ class Stack:
             self._stop_processes()
 
     def _stop_processes(self) -> None:
-        children = ([self.sim] if self.sim is not None else []) + list(self.schedulers)
+        children = self.sims + list(self.schedulers)
         for child in children:
             child.terminate()
         for child in children:
@@ -376,7 +406,7 @@ class Stack:
     def log_tails(self) -> str:
         """The end of every child's log, for a failure report."""
         parts = [f"--- {c.name} ---\n{c.tail()}"
-                 for c in ([self.sim] if self.sim else []) + self.schedulers]
+                 for c in self.sims + self.schedulers]
         return "\n".join(parts)
 
 
