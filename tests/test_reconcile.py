@@ -274,6 +274,27 @@ async def test_killed_workload_is_reapplied_after_the_guard(
         assert scheduled
 
 
+async def test_a_replica_that_loses_leadership_forgets_its_memo(
+        etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 2) as s:
+        await s.apply(["web"])
+        await s.running(["web"])
+        await _until_memoised(s)
+        reconcile = s.loops.reconcile
+        assert reconcile._listings
+        lead = s.sched.leader.leadership
+        assert lead is not None
+        # what the memo held right after the loss (a later term may fill it again)
+        at_loss: list[tuple[int, int]] = []
+        s.sched.leader.on_loss.append(
+            lambda: at_loss.append((len(reconcile.steady_nodes), len(reconcile._listings))))
+        # the election key ends with the session's lease id (hex); revoking it is the loss
+        await s.sched.etcd.lease_revoke(int(lead.key.rsplit("/", 1)[1], 16))
+        await wait_for(lambda: bool(at_loss), timeout=10, message="leadership lost")
+        assert at_loss == [(0, 0)]
+
+
 async def _until_memoised(s: Stack) -> None:
     """Cycles until the one workload's node is answered from the steady-node memo (a cycle or
     two may still settle bookkeeping first)."""
