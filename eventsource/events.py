@@ -44,6 +44,9 @@ CATALOGUE: Mapping[str, str] = {
 }
 
 EVENT_TYPES = frozenset(CATALOGUE)
+#: The entry that marks events a reader may have missed; every watcher gets it, whatever its
+#: filter.
+GAP_TYPE = "EventsGap"
 
 
 def rfc3339(moment: datetime) -> str:

@@ -160,7 +160,8 @@ class EventService:
         cursor = await self._cursor(req.after_id, context)
         last_sent = cursor or ""
         try:
-            sub: Subscription = await self.tailer.subscribe(cursor, accept=flt.matches)
+            sub: Subscription = await self.tailer.subscribe(cursor, accept=flt.matches,
+                                                            node_id=flt.node_id)
         except (RedisUnavailable, StreamError, RuntimeError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"event stream unavailable: {exc}")
             return

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from eventsource.events import StreamEntry, parse_stream_id
+from eventsource.events import GAP_TYPE, StreamEntry, parse_stream_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class ViewFilter:
     node_id: str = ""
 
     def matches(self, entry: StreamEntry) -> bool:
-        if entry.type == "EventsGap":
+        if entry.type == GAP_TYPE:
             return True
         if self.type and entry.type.lower() != self.type.lower():
             return False

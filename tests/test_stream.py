@@ -212,6 +212,37 @@ async def test_tailer_fans_out_to_two_subscribers(log: RedisEventLog, tailer) ->
     assert await take(second, 3) == ["3-0", "3-1", "4-0"]
 
 
+async def test_node_subscriptions_get_their_node_and_every_gap(log: RedisEventLog,
+                                                                tailer) -> None:
+    everything = await tailer.subscribe()
+    n1 = await tailer.subscribe(node_id="n1")
+    n2 = await tailer.subscribe(node_id="n2", queue_max=2)
+    # a gap names no node, yet reaches every watcher whatever its filter
+    gap = Event(type="EventsGap", timestamp=NOW, reason="lost")
+    nodes = {"1-0": "n1", "2-0": "n2", "3-0": "n3", "5-0": "n1"}
+    entries: list[tuple[str, str]] = []
+    prev = ZERO_ID
+    for stream_id in ["1-0", "2-0", "3-0", "4-0", "5-0"]:
+        data = (entry_data(gap.outbox_record(seq=0), revision=4, prev=prev)
+                if stream_id == "4-0" else make_data(stream_id, prev=prev,
+                                                     node_id=nodes[stream_id]))
+        entries.append((stream_id, data))
+        prev = stream_id
+    await log.append_batch(entries, maxlen=1000)
+    assert await take(everything, 5) == ["1-0", "2-0", "3-0", "4-0", "5-0"]
+    assert await take(n1, 3) == ["1-0", "4-0", "5-0"]
+    assert await take(n2, 2) == ["2-0", "4-0"]
+    # n2's slow watcher overflows on its own node's entries only, and leaves the index
+    await log.append_batch([(i, make_data(i, prev=p, node_id="n2"))
+                            for p, i in (("5-0", "6-0"), ("6-0", "7-0"), ("7-0", "8-0"))],
+                           maxlen=1000)
+    await wait_for(lambda: n2.overflowed, message="n2's watcher not dropped")
+    assert await take(everything, 3) == ["6-0", "7-0", "8-0"]
+    assert tailer.subscriber_count == 2
+    assert set(tailer._by_node) == {"n1"}
+    assert n1._queue.empty()
+
+
 async def test_subscribe_skips_up_to_after_id(log: RedisEventLog, tailer) -> None:
     sub = await tailer.subscribe(after_id="2-0")
     assert sub.start_id == ZERO_ID
