@@ -201,6 +201,13 @@ def test_the_fleet_is_split_into_disjoint_ranges(nodes: int, asked: int,
     assert StackOptions(nodes=nodes, sim_processes=asked).fleet_parts() == parts
 
 
+def test_failover_keeps_one_fleet_process_unless_asked() -> None:
+    # its double-apply check needs the newest term any node has seen, in one process
+    assert StackOptions(nodes=5000, ha="failover").fleet_parts() == [(1, 5000)]
+    assert StackOptions(nodes=4, ha="failover", sim_processes=2).fleet_parts() == [(1, 2),
+                                                                                    (3, 2)]
+
+
 def test_fleet_stats_of_several_processes_read_as_one_fleet() -> None:
     a = {"nodes": 2, "registered": 2, "rpcs": {"ListWorkloads": 10, "ApplyWorkload": 1},
          "workloads_by_state": {"Running": 3}, "max_term_seen": 4, "timer_lag_max_s": 0.5,

@@ -88,8 +88,13 @@ class StackOptions:
         return bool(self.scheduler_addrs)
 
     def fleet_parts(self) -> list[tuple[int, int]]:
-        """(first node index, node count) of each simulator process, covering 1..nodes."""
-        wanted = self.sim_processes or -(-self.nodes // NODES_PER_SIM_PROCESS)
+        """(first node index, node count) of each simulator process, covering 1..nodes.
+
+        Unless asked, ``failover`` keeps one process: its ``double_applies`` compares each apply
+        with the newest term any node has seen, and one process only knows its own nodes.
+        """
+        automatic = 1 if self.ha == "failover" else -(-self.nodes // NODES_PER_SIM_PROCESS)
+        wanted = self.sim_processes or automatic
         parts = max(1, min(wanted, self.nodes))
         base, extra = divmod(self.nodes, parts)
         out: list[tuple[int, int]] = []
