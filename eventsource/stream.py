@@ -757,14 +757,18 @@ class StreamTailer:
                 self._end_all(RedisUnavailable(f"event stream unavailable: {exc!r}"))
                 await asyncio.sleep(self.retry_delay)
                 continue
-            # fan out without awaiting, so a subscribe() sees either none or all of this read
-            # (copies: an offer that overflows a subscription forgets it)
+            # fan out without awaiting, so a subscribe() sees either none or all of this read;
+            # iterate over copies, since an offer that overflows a subscription forgets it
+            # (an ended subscription ignores later offers)
+            everyone = list(self._subs)
+            any_node = list(self._any_node)
             for entry in entries:
                 key = id_key(entry.stream_id)
                 if entry.type == GAP_TYPE:
-                    targets: Iterable[Subscription] = list(self._subs)
+                    targets: Iterable[Subscription] = everyone
                 else:
-                    targets = [*self._any_node, *self._by_node.get(entry.node_id, ())]
+                    same_node = self._by_node.get(entry.node_id)
+                    targets = any_node if not same_node else [*any_node, *same_node]
                 for sub in targets:
                     sub._offer(entry, key)
             self._cursor = entries[-1].stream_id

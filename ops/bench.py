@@ -125,8 +125,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        help="simulated agents: delay from PENDING to RUNNING (default 0.2)")
     stack.add_argument("--sim-processes", type=_non_negative_int, default=0, metavar="K",
                        help="simulator processes sharing the fleet (default 0: one per "
-                            f"{NODES_PER_SIM_PROCESS:,} nodes), so that one process's event loop "
-                            "answering every ListWorkloads is not what the bench measures")
+                            f"{NODES_PER_SIM_PROCESS:,} nodes; failover: always one), so that one "
+                            "process's event loop answering every ListWorkloads is not what the "
+                            "bench measures")
     stack.add_argument("--keep", action="store_true", help="keep the run's logs and data")
     target = parser.add_argument_group("an existing target (the bench then starts only the fleet)")
     target.add_argument("--scheduler", type=_addresses, default=None, metavar="HOST:PORT[,...]",
@@ -240,6 +241,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.scheduler and scenario.kills_processes:
         print(f"persys-scheduler bench: {scenario.name} kills scheduler processes; it refuses to "
               "run against --scheduler (a system it did not start)", file=sys.stderr)
+        return 2
+    if scenario.ha == "failover" and args.sim_processes > 1:
+        print(f"persys-scheduler bench: {scenario.name} runs the fleet in one process: its "
+              "double_applies compares every apply with the newest term any node has seen "
+              "(--sim-processes must be 0 or 1)", file=sys.stderr)
         return 2
     if args.metrics and args.scheduler and len(args.metrics) != len(args.scheduler):
         print("persys-scheduler bench: give one --metrics address per --scheduler address",

@@ -219,7 +219,7 @@ async def test_node_subscriptions_get_their_node_and_every_gap(log: RedisEventLo
     n2 = await tailer.subscribe(node_id="n2", queue_max=2)
     # a gap names no node, yet reaches every watcher whatever its filter
     gap = Event(type="EventsGap", timestamp=NOW, reason="lost")
-    nodes = {"1-0": "n1", "2-0": "n2", "3-0": "n3", "5-0": "n1"}
+    nodes = {"1-0": "n1", "2-0": "n2", "3-0": "", "5-0": "n1"}  # 3-0 names no node
     entries: list[tuple[str, str]] = []
     prev = ZERO_ID
     for stream_id in ["1-0", "2-0", "3-0", "4-0", "5-0"]:

@@ -82,9 +82,6 @@ async def run(ctx: BenchContext) -> Outcome:
     out.note("stale_leader_writes", "SIGKILL: the old leader is dead; the SIGSTOP case is "
              "measured by tests/test_ha.py (0 writes, 0 applies after the successor)")
     out.figures["double_applies"] = int(stats.get("double_applies", 0))
-    if len(stack.sims) > 1:
-        out.note("double_applies", f"summed over {len(stack.sims)} simulator processes, each "
-                 "comparing an apply with the newest term its own nodes have seen")
     out.notes["failover_p50_s"] = (f"lease TTL {ttl:g}s; the floor is about TTL + 0.5s minus "
                                    "the time since the last keepalive")
     return out

@@ -90,8 +90,9 @@ class StackOptions:
     def fleet_parts(self) -> list[tuple[int, int]]:
         """(first node index, node count) of each simulator process, covering 1..nodes.
 
-        Unless asked, ``failover`` keeps one process: its ``double_applies`` compares each apply
-        with the newest term any node has seen, and one process only knows its own nodes.
+        ``failover`` keeps one process (the bench refuses more): its ``double_applies``
+        compares each apply with the newest term any node has seen, and a process knows only
+        its own nodes.
         """
         automatic = 1 if self.ha == "failover" else -(-self.nodes // NODES_PER_SIM_PROCESS)
         wanted = self.sim_processes or automatic
