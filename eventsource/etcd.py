@@ -87,6 +87,14 @@ class Compare:
     target: str
     value: int
     result: str = "EQUAL"
+    #: compare every key under ``key`` as a prefix (an empty range compares as one absent key)
+    prefix: bool = False
+
+    @classmethod
+    def unchanged_since(cls, prefix: str, revision: int) -> Compare:
+        """No key under ``prefix`` was created or modified after ``revision`` (deletions do not
+        count): what a check made on a listing at ``revision`` needs to still hold."""
+        return cls(prefix, "MOD", revision + 1, result="LESS", prefix=True)
 
     @classmethod
     def mod(cls, key: str, mod_revision: int) -> Compare:
@@ -112,12 +120,15 @@ class Compare:
             "VERSION": "version",
             "LEASE": "lease",
         }[self.target]
-        return {
+        body = {
             "key": b64(self.key),
             "result": self.result,
             "target": self.target,
             field_name: str(self.value),
         }
+        if self.prefix:
+            body["range_end"] = b64(prefix_end(self.key.encode()))
+        return body
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,10 @@ Rules:
   key in one transaction, and the later change must land after the earlier one): the later
   waits until the earlier has its answer;
 * a change that deletes a prefix goes alone, when nothing else is in flight;
+* a change that compares a whole prefix never shares a transaction with a change that writes
+  under it: every compare of a group is evaluated before any of its writes, so two changes that
+  each compare what the other writes (two creates checking that a name is still free) would
+  both pass;
 * a group is bounded by its number of changes, its bytes (etcd's request size limit) and
   etcd's operation limit, which a nested transaction shares with its parent: the number of
   changes plus the longest list of any of them stays within ``--max-txn-ops``;
@@ -65,6 +69,10 @@ class Pending:
     def exclusive(self) -> bool:
         return any(d.prefix for d in self.deletes)
 
+    def guarded_prefixes(self) -> list[str]:
+        """Prefixes this change compares as a whole (``Compare.unchanged_since``)."""
+        return [c.key for c in self.compares if c.prefix]
+
     def width(self) -> int:
         """The longest list of this change's transaction."""
         ops = len(self.puts) + len(self.deletes) + (len(self.events) if self.outbox else 0)
@@ -82,6 +90,11 @@ class Pending:
                                category="outbox"))
         ops.extend(self.deletes)
         return ops
+
+
+def _under(keys: set[str], prefixes: list[str]) -> bool:
+    """Whether any of ``keys`` lies under any of ``prefixes``."""
+    return any(key.startswith(prefix) for key in keys for prefix in prefixes)
 
 
 T = TypeVar("T")
@@ -126,6 +139,9 @@ class GroupCommit:
             return []  # a prefix delete is in flight: it goes alone
         group: list[Pending] = []
         keys: set[str] = set(self._busy)
+        #: what the group writes and which prefixes it compares as a whole
+        group_written: set[str] = set()
+        group_guarded: list[str] = []
         size = 0
         widest = 0
         kept: deque[Pending] = deque()
@@ -147,14 +163,19 @@ class GroupCommit:
                 kept.append(pending)
                 continue
             width = max(widest, pending.width())
+            guarded = pending.guarded_prefixes()
             fits = (not blocked and len(group) < self.max_changes
                     and (not group or (size + pending.size() <= MAX_GROUP_BYTES
                                        and width + len(group) + 1 <= MAX_TXN_OPS))
-                    and not (written & keys))
+                    and not (written & keys)
+                    and not (group_guarded and _under(written, group_guarded))
+                    and not (guarded and _under(group_written, guarded)))
             if fits:
                 group.append(pending)
                 size += pending.size()
                 widest = width
+                group_written |= written
+                group_guarded += guarded
             else:
                 kept.append(pending)
             # whatever writes a key that is waiting must wait behind it (order per key)

@@ -30,7 +30,7 @@ from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import MAX_TXN_OPS, Compare, Put
 from eventsource.events import Event
-from eventsource.group import settle
+from eventsource.group import MAX_GROUP_BYTES, settle
 from eventsource.keys import KeyLayout
 from eventsource.pump import BatchPump
 from eventsource.records import Allocation, encode
@@ -41,6 +41,10 @@ log = logging.getLogger("persys.batcher")
 #: puts per intent (spec, status, assignment, one event) and per node (allocation)
 INTENT_OPS = 4
 NODE_OPS = 1
+#: an event's outbox record, as GroupCommit estimates it
+EVENT_BYTES = 400
+#: room left in a batch's bytes for its allocation records (one per node, a few KB each)
+ALLOCATION_MARGIN = 64 * 1024
 
 
 @dataclass(slots=True)
@@ -56,6 +60,10 @@ class Intent:
     events: list[Event]
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def size(self) -> int:
+        """Bytes this intent adds to a transaction (its events counted as GroupCommit does)."""
+        return sum(len(p.key) + len(p.value) for p in self.puts) + EVENT_BYTES * len(self.events)
 
 
 class PlacementBatcher:
@@ -86,6 +94,7 @@ class PlacementBatcher:
         nodes: set[str] = set()
         workloads: set[str] = set()
         ops = 0
+        size = 0
         kept: deque[Intent] = deque()
         while queue:
             intent = queue.popleft()
@@ -96,13 +105,18 @@ class PlacementBatcher:
                 kept.append(intent)
                 continue
             cost = INTENT_OPS + (0 if intent.node_id in nodes else NODE_OPS)
-            if len(batch) >= self.max_intents or ops + cost > MAX_TXN_OPS:
+            intent_bytes = intent.size()
+            # an etcd request has a size limit: large specs go in smaller batches (a single
+            # intent always goes, ApplyWorkload bounds its spec)
+            too_big = bool(batch) and size + intent_bytes > MAX_GROUP_BYTES - ALLOCATION_MARGIN
+            if len(batch) >= self.max_intents or ops + cost > MAX_TXN_OPS or too_big:
                 kept.append(intent)
                 continue
             batch.append(intent)
             nodes.add(intent.node_id)
             workloads.add(intent.workload_id)
             ops += cost
+            size += intent_bytes
         queue.extend(kept)
         self._busy |= nodes
         return batch

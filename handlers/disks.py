@@ -25,6 +25,8 @@ from handlers.placement import canonical_driver
 
 DRIVERS = frozenset({"local", "nfs", "ceph-rbd"})
 ACCESS_MODES = frozenset({"ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany"})
+#: create attempts when other volume writes keep coming first
+CREATE_ATTEMPTS = 5
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 
 
@@ -98,7 +100,11 @@ class DiskCommands:
         self.clock = clock
 
     async def _all(self) -> list[tuple[KeyValue, dict[str, Any]]]:
-        kvs, _ = await self.etcd.list_prefix(self.layout.volumes_prefix)
+        return (await self._listed())[0]
+
+    async def _listed(self) -> tuple[list[tuple[KeyValue, dict[str, Any]]], int]:
+        """Every volume record, and the revision of the listing."""
+        kvs, revision = await self.etcd.list_prefix(self.layout.volumes_prefix)
         out = []
         for kv in kvs:
             try:
@@ -107,24 +113,37 @@ class DiskCommands:
                 continue
             if isinstance(record, dict):
                 out.append((kv, record))
-        return out
+        return out, revision
 
     async def create(self, req: DiskRequest) -> dict[str, Any]:
+        """Create a standalone disk whose name no other standalone disk has.
+
+        The name check holds at commit: the transaction compares that no volume record was
+        created or changed since the listing it checked, so of two concurrent creates of one
+        name the second re-lists and is refused.
+        """
         fields = validate(req)
-        for _, record in await self._all():
-            if record.get("standalone") and record.get("name") == fields["name"]:
-                raise DiskError("ALREADY_EXISTS", f"name: a disk named {fields['name']!r} exists")
-        now = rfc3339(self.clock.now())
-        disk_id = f"disk-{uuid.uuid4()}"
-        record = {"id": disk_id, **fields, "createdAt": now, "updatedAt": now}
-        key = self.layout.volume(disk_id)
-        try:
-            await self.committer.commit(Change(
-                kind="disk", compares=[Compare.absent(key)],
-                puts=[Put(key, json.dumps(record).encode(), category="other")]))
-        except Conflict as exc:
-            raise DiskError("ABORTED", "disk id collision; retry") from exc
-        return record
+        for _ in range(CREATE_ATTEMPTS):
+            listed, revision = await self._listed()
+            for _, existing in listed:
+                if existing.get("standalone") and existing.get("name") == fields["name"]:
+                    raise DiskError("ALREADY_EXISTS",
+                                    f"name: a disk named {fields['name']!r} exists")
+            now = rfc3339(self.clock.now())
+            disk_id = f"disk-{uuid.uuid4()}"
+            record = {"id": disk_id, **fields, "createdAt": now, "updatedAt": now}
+            key = self.layout.volume(disk_id)
+            try:
+                await self.committer.commit(Change(
+                    kind="disk",
+                    compares=[Compare.absent(key),
+                              Compare.unchanged_since(self.layout.volumes_prefix, revision)],
+                    puts=[Put(key, json.dumps(record).encode(), category="other")]))
+            except Conflict:
+                continue  # another volume write came first: check the names again
+            return record
+        raise DiskError("ABORTED", "volumes changed during every attempt to create the disk; "
+                                   "retry")
 
     async def list(self) -> list[dict[str, Any]]:
         return sorted((r for _, r in await self._all()), key=lambda r: str(r.get("id", "")))

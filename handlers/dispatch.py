@@ -20,7 +20,7 @@ from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, WorkloadStatus
 from handlers.agents import AgentError, AgentPool
-from handlers.specs import agent_apply_request
+from handlers.specs import CONVERSION_ERRORS, agent_apply_request
 from handlers.state import NotFound, StateWriter
 from projections.cluster import ClusterProjection
 
@@ -82,7 +82,13 @@ class Dispatcher:
             endpoint = self.endpoint(node_id)
             if endpoint is None:
                 return
-            request = agent_apply_request(spec, metadata, desired)
+            try:
+                request = agent_apply_request(spec, metadata, desired)
+            except CONVERSION_ERRORS as exc:  # a spec stored before ApplyWorkload checked it
+                log.warning("apply not sent: the spec cannot be converted workload_id=%s "
+                            "node_id=%s error=%r", spec.id, node_id, exc)
+                await self._record_apply(spec, node_id, error=f"spec cannot be sent: {exc!r}")
+                return
             try:
                 response = await self.pool.apply(node_id, endpoint, request,
                                                  timeout=self.apply_timeout,

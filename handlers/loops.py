@@ -106,7 +106,7 @@ from handlers.retry import (
     failure_counted,
     is_vm,
 )
-from handlers.specs import agent_apply_request, request_of
+from handlers.specs import CONVERSION_ERRORS, agent_apply_request, request_of
 from handlers.state import NotFound
 from handlers.workloads import Outcome, mark_apply_requested
 from proto.persys.agent.v1 import agent_pb2
@@ -143,8 +143,9 @@ async def run_bounded(items: Iterable[T], limit: int,
 
     ``limit`` workers share one iterator (a task per worker, not per item: a cycle over 5,000
     nodes creates 64 tasks, not 5,000). ``body`` handles the failures it expects; anything else
-    (``NotLeader``, a bug) propagates and cancels the rest, which is what a lost leadership
-    must do.
+    propagates and cancels the rest. The reconcile actions' body therefore turns every error of
+    one workload into a failed action; a lost leadership stops a cycle by cancellation of the
+    leader's tasks, and its writes by their fence.
     """
     pending = list(items)
     if not pending:
@@ -573,6 +574,12 @@ class ReconcileLoop(_Shell):
         except StoreError as exc:
             log.warning("reconcile %s failed workload_id=%s: %s", kind, action.workload_id, exc)
             return False
+        except Exception:
+            # one workload's unexpected failure (a bug, a record of an unforeseen shape) must
+            # not cancel the other actions of this cycle, and of every cycle after it
+            log.exception("reconcile %s failed unexpectedly workload_id=%s", kind,
+                          action.workload_id)
+            return False
         log.error("reconcile: no executor for action %s", kind)
         return False
 
@@ -661,7 +668,12 @@ class ReconcileLoop(_Shell):
         if node_of(status_item.value) != node_id:
             return False
         desired = STOPPED if action.kind == APPLY_STOPPED else "Running"
-        request = agent_apply_request(spec, status_item.value.metadata, desired)
+        try:
+            request = agent_apply_request(spec, status_item.value.metadata, desired)
+        except CONVERSION_ERRORS as exc:  # a spec stored before ApplyWorkload checked it
+            await self.count_failure(wid, node_id, reason=f"spec cannot be sent: {exc!r}",
+                                     now=now, once=False)
+            return False
         timeout = (self.settings.agent_vm_apply_timeout_s if is_vm(spec.type)
                    else self.settings.agent_apply_timeout_s)
         report.rpcs["ApplyWorkload"] += 1

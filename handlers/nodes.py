@@ -17,6 +17,7 @@ import asyncio
 import copy
 import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, timedelta
@@ -35,7 +36,7 @@ from handlers.config import Settings
 from handlers.liveness import RenewalLog, lease_ttl
 from handlers.modes import ModeState
 from handlers.placement import canonical_driver, canonical_type
-from handlers.specs import InvalidSpec, validate_id
+from handlers.specs import InvalidSpec, check_labels, validate_id
 from handlers.state import NotFound, StateWriter
 from handlers.usage import UsageSink
 from handlers.workloads import Relocator
@@ -50,6 +51,22 @@ READY = "Ready"
 NOT_READY = "NotReady"
 DRAINING = "Draining"
 STICKY_STATUSES = frozenset({DRAINING, "Drained"})
+#: an agent's status message is kept to this many characters: the status record is rewritten
+#: (and watched by every replica) whenever a message is new, and a record has a size limit
+MESSAGE_MAX_CHARS = 1024
+#: a message already among the last this many characters of the log tail is not new
+RECENT_LOG_CHARS = 512
+
+
+def agent_message(ws: control_pb2.WorkloadStatus) -> str:
+    """The agent's message as recorded: bounded, so that a long one is recognised as already
+    recorded (a crash loop repeats it every heartbeat) and never outgrows the record."""
+    message = ws.message
+    return message if len(message) <= MESSAGE_MAX_CHARS else message[:MESSAGE_MAX_CHARS] + "…"
+
+
+def already_logged(logs: str, message: str) -> bool:
+    return message in logs[-(RECENT_LOG_CHARS + len(message)):]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +163,7 @@ class NodeCommands:
                 raise InvalidSpec("capabilities.cpu_total_millicores", "must not be negative")
             if caps.memory_total_mb < 0:
                 raise InvalidSpec("capabilities.memory_total_mb", "must not be negative")
+            check_labels("labels", dict(req.labels))
         except InvalidSpec as exc:
             return RegisterOutcome(False, str(exc))
         if not self.mode.writable:
@@ -263,7 +281,12 @@ class NodeCommands:
     async def heartbeat(self, req: control_pb2.HeartbeatRequest) -> HeartbeatOutcome:
         node_id = req.node_id.strip()
         self.metrics.heartbeats.inc()
-        item = self.cluster.nodes.get(node_id)
+        # a miss is checked against etcd: the registration may have been committed a moment
+        # ago, here or on another replica, and "unknown" would make the agent register again
+        try:
+            item = await self.cluster.nodes.get_fresh(node_id)
+        except StoreError:  # etcd unreachable: answer from what this replica knows
+            item = self.cluster.nodes.get(node_id)
         if item is None:
             return HeartbeatOutcome(known=False)
         now = self.clock.now()
@@ -324,11 +347,12 @@ class NodeCommands:
             current = item.value
             if current.status == "RetryPending" and state == "Failed":
                 continue  # the retry budget already decided what follows this failure
+            message = agent_message(ws)
             if current.status in ("Deleting", "Deleted") or (
-                current.status == state and not ws.message
+                current.status == state and not message
             ):
                 continue
-            if current.status == state and ws.message and ws.message in current.logs[-512:]:
+            if current.status == state and message and already_logged(current.logs, message):
                 continue
             changed.append((wid, state, ws))
         if changed:
@@ -352,6 +376,8 @@ class NodeCommands:
 
     async def _update_workload_state(self, workload_id: str, node_id: str, state: str,
                                      ws: control_pb2.WorkloadStatus, stamp: str) -> None:
+        message = agent_message(ws)
+
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if status.node_id != node_id or status.status in ("Deleting", "Deleted"):
                 return None
@@ -361,12 +387,12 @@ class NodeCommands:
                 status.status_info.actual_state = state
                 status.status_info.last_updated = stamp
                 changed = True
-            if ws.message and ws.message not in status.logs[-512:]:
-                line = f"[{stamp}] {ws.message}\n"
+            if message and not already_logged(status.logs, message):
+                line = f"[{stamp}] {message}\n"
                 status.logs = (status.logs + line)[-LOG_TAIL_BYTES:]
                 changed = True
-            if state == "Failed" and ws.message:
-                status.metadata["last_runtime_error"] = ws.message
+            if state == "Failed" and message:
+                status.metadata["last_runtime_error"] = message
             return [] if changed else None
 
         try:
@@ -484,11 +510,23 @@ class NodeCommands:
 
 def _usage_dict(u: control_pb2.WorkloadUsageSnapshot) -> dict[str, Any]:
     return {
-        "workloadId": u.workload_id, "type": u.type, "cpuPercent": u.cpu_percent,
+        # JSON has no NaN or infinity, and Go's decoder refuses them
+        "workloadId": u.workload_id, "type": u.type,
+        "cpuPercent": u.cpu_percent if math.isfinite(u.cpu_percent) else 0.0,
         "memoryBytes": u.memory_bytes, "diskReadBytes": u.disk_read_bytes,
         "diskWriteBytes": u.disk_write_bytes, "netRxBytes": u.net_rx_bytes,
         "netTxBytes": u.net_tx_bytes,
-        "collectedAt": rfc3339(u.collected_at.ToDatetime(tzinfo=UTC))
-        if u.HasField("collected_at") else "",
+        "collectedAt": _collected_at(u),
         "source": u.source,
     }
+
+
+def _collected_at(u: control_pb2.WorkloadUsageSnapshot) -> str:
+    """The snapshot's time, or "" when absent or not a time (a bad clock on one agent must not
+    fail its whole heartbeat)."""
+    if not u.HasField("collected_at"):
+        return ""
+    try:
+        return rfc3339(u.collected_at.ToDatetime(tzinfo=UTC))
+    except (ValueError, OverflowError, OSError):
+        return ""

@@ -29,7 +29,7 @@ from handlers.convert import disk_view, node_view, workload_view
 from handlers.disks import DiskCommands, DiskError, DiskRequest
 from handlers.modes import ModeState
 from handlers.nodes import NodeCommands
-from handlers.specs import InvalidSpec, parse_apply, spec_size, validate_id
+from handlers.specs import InvalidSpec, check_label, parse_apply, spec_size, validate_id
 from handlers.state import NotFound
 from handlers.usage import UsageSink
 from handlers.workloads import Outcome, WorkloadCommands
@@ -39,6 +39,8 @@ from proto.persys.control.v1 import control_pb2, control_pb2_grpc
 log = logging.getLogger("persys.api")
 
 FAILURE = control_pb2.FailureReason
+#: what a taint's effect may be ("" means NoSchedule, as in the Go version)
+TAINT_EFFECTS = frozenset({"", "NoSchedule", "PreferNoSchedule"})
 
 
 class EventQueries(Protocol):
@@ -260,9 +262,10 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         taint = request.taint
         if not taint.key.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "taint.key: required")
-        if taint.effect not in ("", "NoSchedule", "PreferNoSchedule"):
+        if taint.effect not in TAINT_EFFECTS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "taint.effect: must be NoSchedule or PreferNoSchedule")
+        await self._check_label(context, "taint", taint.key.strip(), taint.value)
 
         async def body(node_id: str) -> control_pb2.TaintNodeResponse:
             await self.nodes.taint(node_id, taint.key.strip(), taint.value, taint.effect)
@@ -276,6 +279,9 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
                           context: grpc.aio.ServicerContext) -> control_pb2.UntaintNodeResponse:
         if not request.key.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
+        if request.effect not in TAINT_EFFECTS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "effect: must be empty, NoSchedule or PreferNoSchedule")
 
         async def body(node_id: str) -> control_pb2.UntaintNodeResponse:
             await self.nodes.untaint(node_id, request.key.strip(), request.effect)
@@ -293,6 +299,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         if request.key.strip() == "scheduler_shard":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "key: scheduler_shard is managed by the scheduler")
+        await self._check_label(context, "label", request.key.strip(), request.value)
 
         async def body(node_id: str) -> control_pb2.SetNodeLabelResponse:
             await self.nodes.set_label(node_id, request.key.strip(), request.value)
@@ -315,6 +322,14 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         result: control_pb2.DeleteNodeLabelResponse = await self._node_control(
             context, request.node_id, body)
         return result
+
+    @staticmethod
+    async def _check_label(context: grpc.aio.ServicerContext, field: str, key: str,
+                           value: str) -> None:
+        try:
+            check_label(field, key, value)
+        except InvalidSpec as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     # -- reads (projections) ----------------------------------------------------------------
     async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:

@@ -56,6 +56,29 @@ def validate_id(field: str, value: str) -> str:
     return text
 
 
+#: Bounds on node labels and taints. Why: they live in the node record, which every node write
+#: rewrites and every replica watches, and they are copied into events; Kubernetes bounds a
+#: label key to 253 characters (with its prefix) and we allow longer values than its 63.
+LABEL_KEY_MAX = 253
+LABEL_VALUE_MAX = 1024
+LABELS_MAX = 256
+
+
+def check_label(field: str, key: str, value: str) -> None:
+    """Refuse a label or taint whose key or value is too long (``field`` names it)."""
+    if len(key) > LABEL_KEY_MAX:
+        raise InvalidSpec(f"{field}.key", f"longer than {LABEL_KEY_MAX} characters")
+    if len(value) > LABEL_VALUE_MAX:
+        raise InvalidSpec(f"{field}.value", f"longer than {LABEL_VALUE_MAX} characters")
+
+
+def check_labels(field: str, labels: dict[str, str]) -> None:
+    if len(labels) > LABELS_MAX:
+        raise InvalidSpec(field, f"more than {LABELS_MAX} labels")
+    for key, value in labels.items():
+        check_label(f"{field}[{key[:LABEL_KEY_MAX]}]", key, value)
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedApply:
     """A validated ApplyWorkloadRequest."""
@@ -174,7 +197,26 @@ def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> Pa
     else:
         vm = _vm_from_request(spec, metadata)
         record.vm = vm
+    check_agent_request(record, metadata, desired)
     return ParsedApply(workload_id, desired, record, metadata)
+
+
+#: What converting a stored spec to an agent request raises when a field has the wrong shape
+#: (a JSON string where a number belongs, a list of strings for a list of objects, a number
+#: beyond the agent message's integer range).
+CONVERSION_ERRORS = (ValueError, TypeError, AttributeError, KeyError, OverflowError)
+
+
+def check_agent_request(record: WorkloadSpec, metadata: dict[str, str], desired: str) -> None:
+    """Build the agent request once, so that a spec the agent could never be sent is refused
+    at ApplyWorkload with the field named, not committed and then failing in every dispatch
+    and reconcile cycle. The VM spec arrives as free-form JSON (``persys.vm_spec_b64``)."""
+    try:
+        agent_apply_request(record, metadata, desired)
+    except CONVERSION_ERRORS as exc:
+        field = ("spec.metadata[persys.vm_spec_b64]" if metadata.get("persys.vm_spec_b64")
+                 else f"spec.{record.type}" if record.type in ("vm", "microvm") else "spec")
+        raise InvalidSpec(field, f"cannot be sent to an agent: {exc}") from exc
 
 
 def _vm_from_request(spec: control_pb2.WorkloadSpec, metadata: dict[str, str]) -> dict[str, Any]:

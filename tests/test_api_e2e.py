@@ -7,6 +7,7 @@ import json
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from eventsource.etcd import AsyncEtcd
@@ -272,3 +273,76 @@ async def test_a_node_cannot_report_state_or_usage_for_another_nodes_workload(
             assert "forged" not in (await client.get(
                 "persys:scheduler:usage:victim") or "")
     await client.aclose()
+
+
+async def test_odd_agent_reports_are_bounded_and_never_fail_the_heartbeat(
+        etcd_server, redis_server, key_root, stream_key):
+    """A crash-looping workload's long message is recorded once, bounded; a usage snapshot
+    with an impossible time or a NaN does not fail the heartbeat that carries it."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: _ready_nodes(stub, 1), message="1 Ready node", timeout=10)
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="loud", spec=container_spec()))
+            assert resp.success, resp.error_message
+            await wait_for(lambda: (item := sched.cluster.statuses.get("loud")) is not None
+                           and item.value.status == "Running", message="loud Running")
+            node_id = fleet.nodes[0].node_id
+            message = "stack trace line\n" * 400  # 6,800 characters, every heartbeat
+            odd_usage = pb.WorkloadUsageSnapshot(
+                workload_id="loud", source="agent", cpu_percent=float("nan"),
+                collected_at=Timestamp(seconds=2**40))
+            revisions = []
+            for _ in range(2):
+                answer = await stub.Heartbeat(pb.HeartbeatRequest(
+                    node_id=node_id,
+                    workload_statuses=[pb.WorkloadStatus(workload_id="loud", state="Running",
+                                                         message=message, usage=odd_usage)],
+                    workload_usage=[odd_usage]))
+                assert answer.acknowledged
+                item = sched.cluster.statuses.get("loud")
+                assert item is not None
+                revisions.append(item.mod_revision)
+            # written by the first heartbeat (the handler waits for its own write), not again
+            assert revisions[0] == revisions[1]
+            assert item.value.logs.count("stack trace line") < 100
+            assert len(item.value.logs) <= 4096
+
+
+async def test_node_labels_and_taints_are_bounded_and_named_when_refused(
+        etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched, control_stub(
+            f"127.0.0.1:{sched.grpc_port}") as stub:
+        caps = pb.NodeCapabilities(cpu_total_millicores=1000, memory_total_mb=1024)
+        crowded = await stub.RegisterNode(pb.RegisterNodeRequest(
+            node_id="n-crowded", grpc_endpoint="127.0.0.1:9", capabilities=caps,
+            labels={f"k{i}": "v" for i in range(300)}))
+        assert not crowded.accepted
+        assert crowded.reason.startswith("labels: more than 256")
+        ok = await stub.RegisterNode(pb.RegisterNodeRequest(
+            node_id="n-1", grpc_endpoint="127.0.0.1:9", capabilities=caps))
+        assert ok.accepted, ok.reason
+        await wait_for(lambda: sched.cluster.nodes.get("n-1") is not None, message="n-1")
+        before = sched.cluster.nodes.get("n-1")
+        assert before is not None
+        refused = [
+            ("label.value", stub.SetNodeLabel(pb.SetNodeLabelRequest(
+                node_id="n-1", key="tier", value="x" * 2000))),
+            ("label.key", stub.SetNodeLabel(pb.SetNodeLabelRequest(
+                node_id="n-1", key="k" * 300, value="x"))),
+            ("taint.key", stub.TaintNode(pb.TaintNodeRequest(
+                node_id="n-1", taint=pb.NodeTaint(key="k" * 300, effect="NoSchedule")))),
+            ("effect", stub.UntaintNode(pb.UntaintNodeRequest(
+                node_id="n-1", key="gpu", effect="Bogus"))),
+        ]
+        for field, call in refused:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert (err.value.details() or "").startswith(field), err.value.details()
+        assert sched.cluster.nodes.get("n-1").mod_revision == before.mod_revision
+        assert sched.cluster.nodes.get("n-crowded") is None

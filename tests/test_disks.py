@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -76,3 +77,22 @@ async def test_referenced_disk_needs_force_and_unknown_is_not_found(api):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.CreateDisk(pb.CreateDiskRequest(name="shared", driver="nfs"))
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_concurrent_creates_of_one_name_make_one_disk(api):
+    _sched, stub = api
+
+    async def create(name: str) -> str:
+        try:
+            await stub.CreateDisk(pb.CreateDiskRequest(name=name, driver="nfs", size_gb=1))
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+        return "OK"
+
+    # eight callers race for one name (and two others take names of their own)
+    codes = await asyncio.gather(*(create("shared") for _ in range(8)),
+                                 create("own-1"), create("own-2"))
+    assert sorted(codes[:8]) == ["ALREADY_EXISTS"] * 7 + ["OK"]
+    assert codes[8:] == ["OK", "OK"]
+    listed = (await stub.ListDisks(pb.ListDisksRequest())).disks
+    assert sorted(d.name for d in listed) == ["own-1", "own-2", "shared"]

@@ -110,3 +110,42 @@ async def test_wide_changes_and_small_ones_stay_within_the_operation_limit(
     finally:
         await committer.aclose()
         etcd.close()
+
+
+async def test_prefix_compares_never_share_a_transaction_with_writes_under_them(
+        etcd_server, key_root):
+    # every compare of a group is evaluated before its writes: two claims that each check
+    # "nothing new under the prefix" must not ride together, or both would win
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    metrics = Metrics()
+    committer = Committer(etcd, KeyLayout(key_root), metrics, outbox_enabled=False)
+    prefix = f"{key_root}/claims/"
+    try:
+        _, listed_at = await etcd.list_prefix(prefix)
+
+        async def claim(i: int) -> bool:
+            try:
+                await committer.commit(Change(kind="test", compares=[
+                    Compare.unchanged_since(prefix, listed_at)],
+                    puts=[Put(f"{prefix}{i}", b"x")]))
+            except Conflict:
+                return False
+            return True
+
+        # unrelated changes go first and fill the transactions in flight, so the claims queue
+        # and are taken together: the first transaction that commits holds several of them
+        others = [committer.commit(Change(kind="test", puts=[Put(f"{key_root}/o/{i}", b"x")]))
+                  for i in range(40)]
+        won = await asyncio.gather(*others, *(claim(i) for i in range(20)))
+        assert sum(1 for w in won[40:] if w is True) == 1
+        kvs, _ = await etcd.list_prefix(prefix)
+        assert len(kvs) == 1
+        # a deletion under the prefix does not count as a change
+        await etcd.txn([], [Delete(kvs[0].key)])
+        _, listed_at = await etcd.list_prefix(prefix)
+        await etcd.txn([], [Delete(f"{prefix}nothing")])
+        assert await claim(99)
+        assert counter_total(metrics.etcd_txn_requests, shape="group") > 0
+    finally:
+        await committer.aclose()
+        etcd.close()

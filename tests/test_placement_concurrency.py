@@ -79,3 +79,29 @@ async def test_two_replicas_64_callers_fill_exactly_to_capacity(
             message="every placed workload reached its agent",
         )
         assert fleet.stats()["over_capacity_nodes"] == 0
+
+
+async def test_concurrent_large_specs_are_each_committed(
+    etcd_server, redis_server, key_root, stream_key
+):
+    # each spec is within ApplyWorkload's limit, but together they are more than one etcd
+    # request may carry: the batcher must split them, not fail them all
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with (
+        running_scheduler(settings) as sched,
+        running_fleet(f"127.0.0.1:{sched.grpc_port}", 4) as fleet,
+        control_stub(f"127.0.0.1:{sched.grpc_port}") as stub,
+    ):
+        await fleet.wait_registered()
+        await wait_for(lambda: len(sched.cluster.alive.items) == 4, timeout=15,
+                       message="every node alive")
+
+        async def apply(i: int) -> pb.ApplyWorkloadResponse:
+            spec = container_spec()
+            spec.container.env["BLOB"] = f"{i}" * 600_000
+            return await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id=f"large-{i}", spec=spec))
+
+        answers = await asyncio.gather(*(apply(i) for i in range(4)))
+        assert [a.error_message for a in answers if not a.success] == []
+        assert all(a.success for a in answers)

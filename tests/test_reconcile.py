@@ -334,6 +334,38 @@ async def test_stopped_workload_gets_stop_applied(etcd_server, redis_server, key
         await wait_for(lambda: s.holder("svc").workload_state("svc") == "Stopped", timeout=10)
 
 
+async def test_a_spec_the_agent_cannot_be_sent_fails_alone(etcd_server, redis_server, key_root,
+                                                          stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 2) as s:
+        await s.apply(["svc", "odd"])
+        await s.running(["svc", "odd"])
+        applied = max(last_apply(s.status("svc")), last_apply(s.status("odd")))
+        # both to be stopped; "odd" carries a spec ApplyWorkload would refuse today (a managed
+        # volume that is not an object), as a record written by an older version may
+        for wid in ("svc", "odd"):
+            spec_item = s.sched.cluster.specs.get(wid)
+            assert spec_item is not None
+            spec = copy.deepcopy(spec_item.value)
+            spec.desired_state = "Stopped"
+            if wid == "odd":
+                spec.managed_volumes = ["data"]  # type: ignore[list-item]
+            await s.sched.committer.commit(Change(kind="test", compares=[
+                Compare.mod(s.sched.layout.spec(wid), spec_item.mod_revision)], puts=[
+                Put(s.sched.layout.spec(wid), encode(spec), category="spec")]))
+        await s.caught_up()
+        report = await s.loops.reconcile.run_once(now=applied + timedelta(seconds=60))
+        # the odd one fails on its own (counted against its retry budget); the other one's stop
+        # goes out in the same cycle instead of being cancelled with it
+        assert report.actions == {APPLY_STOPPED: 2}, report
+        assert report.succeeded == {APPLY_STOPPED: 1}, report
+        assert report.failed == {APPLY_STOPPED: 1}, report
+        await wait_for(lambda: s.holder("svc").workload_state("svc") == "Stopped", timeout=10)
+        await wait_for(lambda: "spec cannot be sent" in str(
+            s.status("odd").metadata.get("scheduler_last_error", "")), timeout=10,
+            message="the failure recorded on the odd workload")
+
+
 # -- the Deleting finisher ----------------------------------------------------------------------
 
 async def test_deleting_workload_is_deleted_on_its_agent_and_finalised(

@@ -1,0 +1,41 @@
+"""Which placement intents share a transaction (pure: ``PlacementBatcher._take``)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from eventsource.etcd import Put
+from eventsource.group import MAX_GROUP_BYTES
+from handlers.batcher import Intent, PlacementBatcher
+
+
+def intent(i: int, *, node: str, value_bytes: int) -> Intent:
+    return Intent(workload_id=f"w{i}", node_id=node, cpu_m=1, mem_mb=1, compares=[],
+                  puts=[Put(f"/workloads-spec/w{i}", b"x" * value_bytes, category="spec")],
+                  events=[])
+
+
+def batcher() -> PlacementBatcher:
+    none: Any = None  # _take reads no store
+    return PlacementBatcher(none, none, none, max_intents=24)
+
+
+async def test_small_intents_share_one_batch() -> None:
+    queue = deque(intent(i, node=f"n{i}", value_bytes=1_000) for i in range(10))
+    assert [i.workload_id for i in batcher()._take(queue)] == [f"w{i}" for i in range(10)]
+    assert not queue
+
+
+async def test_large_intents_are_split_to_fit_one_request() -> None:
+    big = MAX_GROUP_BYTES // 3
+    queue = deque(intent(i, node=f"n{i}", value_bytes=big) for i in range(5))
+    b = batcher()
+    first = b._take(queue)
+    assert 1 <= len(first) < 5
+    assert sum(i.size() for i in first) <= MAX_GROUP_BYTES
+    # one intent larger than the bound still goes, alone
+    alone = deque([intent(9, node="n9", value_bytes=2 * MAX_GROUP_BYTES),
+                   intent(10, node="n10", value_bytes=10)])
+    assert [i.workload_id for i in b._take(alone)] == ["w9"]
+    assert [i.workload_id for i in alone] == ["w10"]
