@@ -114,3 +114,36 @@ async def test_bad_cursor_is_invalid_argument(api):
         await api.ListEvents(pb.ListEventsRequest(after_id="yesterday"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "after_id" in err.value.details()
+
+
+async def test_node_watchers_are_indexed_by_node(etcd_server, redis_server, key_root,
+                                                 stream_key):
+    # an entry costs the replica only its own node's watchers (and the unfiltered ones)
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched, control_stub(
+            f"127.0.0.1:{sched.grpc_port}") as stub:
+        tailer = sched.tailer
+        assert tailer is not None
+        await _register(stub, "ix-node")
+        calls = [stub.WatchEvents(pb.WatchEventsRequest(node_id="ix-node")),
+                 stub.WatchEvents(pb.WatchEventsRequest(type="NodeLabelSet"))]
+        received: list[list[str]] = [[], []]
+
+        async def consume(i: int) -> None:
+            async for event in calls[i]:
+                if event.type == "NodeLabelSet":
+                    received[i].append(event.details["value"])
+
+        consumers = [asyncio.create_task(consume(i)) for i in range(2)]
+        try:
+            await wait_for(lambda: tailer.subscriber_count == 2, message="both subscribed")
+            assert set(tailer._by_node) == {"ix-node"}
+            assert len(tailer._any_node) == 1
+            await _label(stub, "ix-node", 1)
+            await wait_for(lambda: received == [["1"], ["1"]], message="both delivered")
+        finally:
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*consumers, return_exceptions=True)
+        await wait_for(lambda: tailer.subscriber_count == 0, message="both unsubscribed")
+        assert tailer._by_node == {}
