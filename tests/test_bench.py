@@ -82,7 +82,7 @@ def test_place_contract_and_no_node_over_capacity():
 
 @pytest.mark.timeout(120)
 def test_reconcile_contract_with_the_fleet_in_two_processes():
-    result, elapsed = run_bench("reconcile", *FAST, "--cycles", "2", "--sim-processes", "2")
+    result, elapsed = run_bench("reconcile", *FAST, "--cycles", "6", "--sim-processes", "2")
     check_contract(result, "reconcile")
     assert result["figures"]["scheduler_rss_mib"] > 0
     assert result["figures"]["heartbeat_etcd_writes_per_s"] is not None
@@ -93,7 +93,10 @@ def test_reconcile_contract_with_the_fleet_in_two_processes():
     counted = re.search(r"the agents themselves counted ([0-9.]+) per cycle",
                         result["notes"]["agent_rpcs_per_cycle"])
     assert counted is not None, result["notes"]
-    assert float(counted.group(1)) == pytest.approx(5, abs=1)  # not one process's 2 or 3
+    # the agents' span may be off by one cycle at each end (their counters are read just
+    # after the metrics scrape), so over 6 cycles the five nodes give 4.2-5.8 per cycle, and
+    # one process's three nodes alone at most 3.5
+    assert 4.0 < float(counted.group(1)) < 6.0, result["notes"]["agent_rpcs_per_cycle"]
     assert elapsed < 60
 
 
