@@ -48,6 +48,13 @@ log = logging.getLogger("persys.commit")
 #: an etcd request must stay below --max-request-bytes (1.5 MiB by default); values travel as
 #: base64 inside JSON, so the raw bytes of a group are kept well under that
 MAX_GROUP_BYTES = 512 * 1024
+#: what one event's outbox record is counted as, before it is built
+EVENT_BYTES = 400
+
+
+def change_bytes(puts: list[Put], events: int) -> int:
+    """The bytes a change adds to a request: its puts' keys and values, and its events."""
+    return sum(len(p.key) + len(p.value) for p in puts) + EVENT_BYTES * events
 
 
 @dataclass(slots=True)
@@ -79,7 +86,7 @@ class Pending:
         return max(len(self.compares), ops)
 
     def size(self) -> int:
-        return sum(len(p.key) + len(p.value) for p in self.puts) + 400 * len(self.events)
+        return change_bytes(self.puts, len(self.events))
 
     def ops(self, layout: KeyLayout, first_seq: int) -> list[Put | Delete]:
         """The writes of this change, its events as outbox keys numbered from ``first_seq``."""

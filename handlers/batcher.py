@@ -30,7 +30,7 @@ from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import MAX_TXN_OPS, Compare, Put
 from eventsource.events import Event
-from eventsource.group import MAX_GROUP_BYTES, settle
+from eventsource.group import MAX_GROUP_BYTES, change_bytes, settle
 from eventsource.keys import KeyLayout
 from eventsource.pump import BatchPump
 from eventsource.records import Allocation, encode
@@ -41,8 +41,6 @@ log = logging.getLogger("persys.batcher")
 #: puts per intent (spec, status, assignment, one event) and per node (allocation)
 INTENT_OPS = 4
 NODE_OPS = 1
-#: an event's outbox record, as GroupCommit estimates it
-EVENT_BYTES = 400
 #: room left in a batch's bytes for its allocation records (one per node, a few KB each)
 ALLOCATION_MARGIN = 64 * 1024
 
@@ -62,8 +60,8 @@ class Intent:
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def size(self) -> int:
-        """Bytes this intent adds to a transaction (its events counted as GroupCommit does)."""
-        return sum(len(p.key) + len(p.value) for p in self.puts) + EVENT_BYTES * len(self.events)
+        """Bytes this intent adds to a transaction (counted as GroupCommit counts a change)."""
+        return change_bytes(self.puts, len(self.events))
 
 
 class PlacementBatcher:
