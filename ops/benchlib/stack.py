@@ -223,19 +223,23 @@ class Stack:
         await self._wait_healthy(child, self.metrics_addrs[index])
 
     async def _wait_healthy(self, child: Child, metrics_addr: str) -> None:
+        await self._wait_serving(child, metrics_addr, "/health")
+
+    async def _wait_serving(self, child: Child, addr: str, path: str) -> None:
+        """Until ``child`` answers ``GET path`` with JSON; its log tail if it exits or is late."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.options.startup_timeout_s
         while True:
             if not child.running():
                 raise StackError(f"{child.name} exited with {child.proc.returncode} before it "
-                                 f"served /health:\n{child.tail()}")
+                                 f"served {path}:\n{child.tail()}")
             try:
-                await get_json(metrics_addr, "/health", timeout=2.0)
+                await get_json(addr, path, timeout=2.0)
                 return
             except (OSError, HttpError):
                 pass
             if loop.time() > deadline:
-                raise StackError(f"{child.name} did not serve /health within "
+                raise StackError(f"{child.name} did not serve {path} within "
                                  f"{self.options.startup_timeout_s:g}s:\n{child.tail()}")
             await asyncio.sleep(0.1)
 
@@ -282,22 +286,9 @@ class Stack:
             self.sims.append(Child(name, argv, env=dict(os.environ),
                                    log=self.workdir / f"{name}.log", cwd=_PROJECT_ROOT))
             self.sim_stats_addrs.append(f"{HOST}:{port}")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + o.startup_timeout_s
-        for sim, addr in zip(self.sims, self.sim_stats_addrs, strict=True):
-            while True:
-                if not sim.running():
-                    raise StackError(f"{sim.name} exited with {sim.proc.returncode}:\n"
-                                     f"{sim.tail()}")
-                try:
-                    await get_json(addr, "/stats", timeout=5.0)
-                    break
-                except (OSError, HttpError):
-                    pass
-                if loop.time() > deadline:
-                    raise StackError(f"{sim.name} did not serve /stats within "
-                                     f"{o.startup_timeout_s:g}s:\n{sim.tail()}")
-                await asyncio.sleep(0.2)
+        await asyncio.gather(*(self._wait_serving(sim, addr, "/stats")
+                               for sim, addr in zip(self.sims, self.sim_stats_addrs,
+                                                    strict=True)))
 
     async def _wait_registered(self) -> None:
         """Every replica's API counts all simulated nodes Ready.
