@@ -97,6 +97,11 @@ class Metrics:
         self.heartbeats = Counter(
             "heartbeats", "heartbeats received", namespace=ns, subsystem=sub, registry=r,
         )
+        self.calls_refused = Counter(
+            "calls_refused", "calls refused by certificate (an agent certificate calling a "
+            "non-agent RPC, or speaking for a node it is not bound to), by RPC",
+            ["method"], namespace=ns, subsystem=sub, registry=r,
+        )
         self.lease_keepalive_calls = Counter(
             "lease_keepalive_calls", "etcd gateway calls that renewed node liveness leases",
             namespace=ns, subsystem=sub, registry=r,

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from handlers.authz import DEFAULT_AGENT_CERT_NAMES, NodeBinding
+
 
 class ConfigError(ValueError):
     """An environment variable has an invalid value."""
@@ -86,6 +88,9 @@ class Settings:
     tls_key: str = DEFAULT_TLS_KEY
     vault_enabled: bool = False
     agent_tls_enabled: bool = True
+    #: common names of agent certificates, and how a node is tied to its caller (handlers/authz)
+    agent_cert_names: tuple[str, ...] = DEFAULT_AGENT_CERT_NAMES
+    node_binding: NodeBinding = NodeBinding.ENDPOINT
     agent_rpc_timeout_s: float = 10.0
     agent_apply_timeout_s: float = 45.0
     agent_vm_apply_timeout_s: float = 240.0
@@ -217,6 +222,12 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
             "SCHEDULER_SHARD_COUNT/SCHEDULER_SHARD_INDEX: sharding needs "
             "SCHEDULER_HA_MODE=active-active"
         )
+    agent_cert_names = tuple(n.strip() for n in r.text(
+        "SCHEDULER_AGENT_CERT_NAMES", ",".join(DEFAULT_AGENT_CERT_NAMES)).split(",") if n.strip())
+    binding_text = r.text("SCHEDULER_NODE_BINDING", NodeBinding.ENDPOINT.value).lower()
+    if binding_text not in {b.value for b in NodeBinding}:
+        raise ConfigError(f"SCHEDULER_NODE_BINDING: {binding_text!r} is not one of "
+                          f"{', '.join(b.value for b in NodeBinding)}")
     lease_ttl = r.integer("SCHEDULER_LEADER_LEASE_TTL", 15, minimum=2, maximum=3600)
     renew = r.duration("SCHEDULER_LEADER_RENEW_DEADLINE", lease_ttl * 2 / 3, allow_zero=False)
     if renew >= lease_ttl:
@@ -252,6 +263,8 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         tls_key=r.text("PERSYS_TLS_KEY", DEFAULT_TLS_KEY),
         vault_enabled=r.flag("PERSYS_VAULT_ENABLED", False),
         agent_tls_enabled=r.flag("SCHEDULER_AGENT_TLS_ENABLED", not insecure),
+        agent_cert_names=agent_cert_names,
+        node_binding=NodeBinding(binding_text),
         agent_rpc_timeout_s=r.duration("SCHEDULER_AGENT_RPC_TIMEOUT", 10.0, allow_zero=False),
         agent_apply_timeout_s=r.duration("SCHEDULER_AGENT_APPLY_TIMEOUT", 45.0),
         agent_vm_apply_timeout_s=r.duration("SCHEDULER_AGENT_VM_APPLY_TIMEOUT", 240.0),

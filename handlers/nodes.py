@@ -32,6 +32,7 @@ from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, Resources, Taint, WorkloadStatus, encode
+from handlers.authz import Caller, refuse_heartbeat, refuse_registration
 from handlers.config import Settings
 from handlers.liveness import RenewalLog, lease_ttl
 from handlers.modes import ModeState
@@ -82,6 +83,12 @@ class HeartbeatOutcome:
     known: bool
     drain: bool = False
     lease_expires_at: Any = None
+    #: why the caller's certificate may not speak for this node (handlers/authz)
+    refused: str = ""
+
+
+class _Refused(Exception):
+    """The caller's certificate may not register this node."""
 
 
 def normalize_types(types: Sequence[str]) -> list[str]:
@@ -151,7 +158,10 @@ class NodeCommands:
         self.renewals = RenewalLog(settings.heartbeat_interval_s)
 
     # -- RegisterNode -----------------------------------------------------------------------
-    async def register(self, req: control_pb2.RegisterNodeRequest) -> RegisterOutcome:
+    async def register(self, req: control_pb2.RegisterNodeRequest,
+                       caller: Caller | None = None) -> RegisterOutcome:
+        """``caller``: the client certificate's identity under mTLS (None without TLS); the
+        node must be bound to it (``SCHEDULER_NODE_BINDING``)."""
         try:
             node_id = validate_id("node_id", req.node_id)
             endpoint = req.grpc_endpoint.strip()
@@ -174,6 +184,15 @@ class NodeCommands:
         async def attempt(n: int) -> bool:
             item = self.cluster.nodes.get(node_id)
             previous = item.value if item else None
+            if caller is not None:
+                # decided on the record this attempt's CAS compares against, so a concurrent
+                # registration from another host cannot slip between the check and the write
+                refusal = refuse_registration(
+                    caller, self.settings.node_binding, node_id=node_id, host=host,
+                    registered_host=(previous.ip_address or None) if previous else None,
+                    lost=previous is not None and previous.status == NOT_READY)
+                if refusal is not None:
+                    raise _Refused(refusal)
             node = copy.deepcopy(previous) if previous else Node(node_id=node_id)
             node.ip_address = host.strip("[]")
             node.agent_port = int(port_text)
@@ -236,6 +255,11 @@ class NodeCommands:
 
         try:
             await retry_on_conflict(attempt)
+        except _Refused as exc:
+            self.metrics.calls_refused.labels("RegisterNode").inc()
+            log.warning("registration refused by certificate node_id=%s caller=%s: %s",
+                        node_id, caller.describe() if caller else "-", exc)
+            return RegisterOutcome(False, str(exc))
         except Conflict:
             return RegisterOutcome(False, "too many concurrent updates of this node; retry")
         except StoreError as exc:
@@ -278,7 +302,8 @@ class NodeCommands:
                                category="other"))
 
     # -- Heartbeat --------------------------------------------------------------------------
-    async def heartbeat(self, req: control_pb2.HeartbeatRequest) -> HeartbeatOutcome:
+    async def heartbeat(self, req: control_pb2.HeartbeatRequest,
+                        caller: Caller | None = None) -> HeartbeatOutcome:
         node_id = req.node_id.strip()
         self.metrics.heartbeats.inc()
         # a miss is checked against etcd: the registration may have been committed a moment
@@ -289,6 +314,14 @@ class NodeCommands:
             item = self.cluster.nodes.get(node_id)
         if item is None:
             return HeartbeatOutcome(known=False)
+        if caller is not None:
+            refusal = refuse_heartbeat(caller, self.settings.node_binding, node_id=node_id,
+                                       registered_host=item.value.ip_address)
+            if refusal is not None:
+                self.metrics.calls_refused.labels("Heartbeat").inc()
+                log.warning("heartbeat refused by certificate node_id=%s caller=%s",
+                            node_id, caller.describe())
+                return HeartbeatOutcome(True, refused=refusal)
         now = self.clock.now()
         lease_until = now + timedelta(seconds=self.settings.node_lease_ttl_s)
         if not self.mode.writable:

@@ -25,6 +25,7 @@ from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.stream import RedisEventLog, StreamTailer, writer_client
+from handlers.access import AgentRoleInterceptor
 from handlers.agents import AgentPool, TlsFiles
 from handlers.batcher import PlacementBatcher
 from handlers.buckets import build_buckets
@@ -43,6 +44,7 @@ from handlers.placer import Placer
 from handlers.servicer import ControlServicer
 from handlers.state import StateWriter
 from handlers.supervisor import ModeSupervisor
+from handlers.tls import ServerCertificates
 from handlers.usage import UsageSink
 from handlers.workloads import Relocator, WorkloadCommands
 from projections.cluster import ClusterProjection
@@ -259,9 +261,13 @@ class Scheduler:
         )
 
     async def _start_grpc(self) -> None:
-        server = grpc.aio.server(
-            options=SERVER_OPTIONS,
-            interceptors=[ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration)])
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration)]
+        if not self.settings.insecure:
+            refused = self.metrics.calls_refused
+            interceptors.append(AgentRoleInterceptor(
+                self.settings.agent_cert_names, lambda method: refused.labels(method).inc()))
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         control_pb2_grpc.add_AgentControlServicer_to_server(  # type: ignore[no-untyped-call]
             self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
@@ -272,35 +278,13 @@ class Scheduler:
         if self.settings.insecure:
             self.grpc_port = server.add_insecure_port(address)
         else:
-            creds = self._server_credentials()
+            s = self.settings
+            creds = ServerCertificates(s.tls_ca, s.tls_cert, s.tls_key).credentials()
             self.grpc_port = server.add_secure_port(address, creds)
         await server.start()
         await self.health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
         self.grpc_server = server
-
-    def _server_credentials(self) -> grpc.ServerCredentials:
-        s = self.settings
-
-        def load() -> grpc.ServerCertificateConfiguration:
-            with open(s.tls_ca, "rb") as ca, open(s.tls_cert, "rb") as cert, \
-                    open(s.tls_key, "rb") as key:
-                return grpc.ssl_server_certificate_configuration(
-                    [(key.read(), cert.read())], root_certificates=ca.read())
-
-        state = {"config": load()}
-
-        def fetch() -> grpc.ServerCertificateConfiguration | None:
-            # called by gRPC before each handshake: a changed file is picked up, a broken one
-            # keeps the last good configuration (as the Go version does)
-            try:
-                state["config"] = load()
-            except OSError:
-                return None
-            return state["config"]
-
-        return grpc.dynamic_ssl_server_credentials(state["config"], fetch,
-                                                   require_client_authentication=True)
 
     async def stop(self) -> None:
         """The shutdown order of the module docstring; every step has a deadline."""

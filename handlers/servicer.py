@@ -17,6 +17,8 @@ import grpc
 
 from eventsource.errors import Conflict, StoreError
 from eventsource.metrics import Metrics
+from handlers.access import caller_of
+from handlers.authz import Caller
 from handlers.buckets import (
     BucketCommands,
     BucketError,
@@ -86,11 +88,15 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"scheduler {self.mode.mode}: {self.mode.reason}")
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller | None:
+        """The client certificate's identity, or None without TLS (nothing to bind to)."""
+        return None if self.settings.insecure else caller_of(context)
+
     # -- registration and heartbeat (in-band errors) ----------------------------------------
     async def RegisterNode(self, request: control_pb2.RegisterNodeRequest,
                            context: grpc.aio.ServicerContext
                            ) -> control_pb2.RegisterNodeResponse:
-        outcome = await self.nodes.register(request)
+        outcome = await self.nodes.register(request, self._caller(context))
         resp = control_pb2.RegisterNodeResponse(
             accepted=outcome.accepted, reason=outcome.reason,
             heartbeat_interval_seconds=outcome.interval_s)
@@ -102,7 +108,9 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
 
     async def Heartbeat(self, request: control_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> control_pb2.HeartbeatResponse:
-        outcome = await self.nodes.heartbeat(request)
+        outcome = await self.nodes.heartbeat(request, self._caller(context))
+        if outcome.refused:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, outcome.refused)
         if not outcome.known:
             # the Go agent re-registers when a heartbeat fails: that is what an unknown node needs
             await context.abort(grpc.StatusCode.NOT_FOUND,

@@ -78,6 +78,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import parse_qs, urlsplit
 
@@ -95,6 +96,7 @@ __all__ = [
     "FleetCounters",
     "NodeBehaviour",
     "SimNode",
+    "SimTls",
     "StatsServer",
     "add_sim_arguments",
     "run_sim",
@@ -119,6 +121,24 @@ HOST = "127.0.0.1"
 
 _MIB = 1024 * 1024
 _SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+@dataclass(frozen=True)
+class SimTls:
+    """PEM bytes for mTLS both ways, as a Go agent has: the nodes' servers require a client
+    certificate signed by ``ca``, and the fleet presents ``cert`` to the scheduler. One
+    certificate serves every node (all of them listen on 127.0.0.1, which it must name)."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
 
 _PENDING = agent_pb2.ACTUAL_STATE_PENDING
 _RUNNING = agent_pb2.ACTUAL_STATE_RUNNING
@@ -369,8 +389,10 @@ class SimNode(agent_pb2_grpc.AgentServiceServicer):
         counters: FleetCounters,
         rng: random.Random,
         on_restart: Callable[[SimNode], None] | None = None,
+        tls: SimTls | None = None,
     ) -> None:
         self.node_id = node_id
+        self._tls = tls
         self.behaviour = behaviour
         self.control = ControlState()
         #: Port of the node's server; kept across crash()/restart(). 0 until started.
@@ -415,7 +437,9 @@ class SimNode(agent_pb2_grpc.AgentServiceServicer):
         server = grpc.aio.server(options=_SERVER_OPTIONS)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self, server)  # type: ignore[no-untyped-call]
         try:
-            port: int = server.add_insecure_port(f"{HOST}:{self.port}")
+            address = f"{HOST}:{self.port}"
+            port: int = (server.add_secure_port(address, self._tls.server_credentials())
+                         if self._tls is not None else server.add_insecure_port(address))
             await server.start()
         except BaseException:
             await server.stop(None)
@@ -802,6 +826,7 @@ class Fleet:
         start_batch: servers started together.
         rpc_timeout_s: deadline of each control RPC.
         seed: seeds jitter and failure draws.
+        tls: mTLS for the nodes' servers and the channels to the scheduler (None: plaintext).
     """
 
     def __init__(
@@ -819,7 +844,9 @@ class Fleet:
         start_batch: int = 250,
         rpc_timeout_s: float = 10.0,
         seed: int | None = None,
+        tls: SimTls | None = None,
     ) -> None:
+        self._tls = tls
         if concurrency is None:
             concurrency = count
         if min(count, first, concurrency, control_channels, start_batch) < 1:
@@ -854,6 +881,7 @@ class Fleet:
                 counters=self.counters,
                 rng=self._rng,
                 on_restart=self._on_restart,
+                tls=tls,
             )
             node.control.slot = i % control_channels
             nodes.append(node)
@@ -902,10 +930,12 @@ class Fleet:
     async def _start_all(self, loop: asyncio.AbstractEventLoop) -> None:
         self._clock.start()
         for index in range(self._channel_count):
-            channel = grpc.aio.insecure_channel(
-                self._addresses[index % len(self._addresses)],
-                options=(("grpc.use_local_subchannel_pool", 1),)
-            )
+            address = self._addresses[index % len(self._addresses)]
+            options = (("grpc.use_local_subchannel_pool", 1),)
+            channel = (grpc.aio.secure_channel(address, self._tls.channel_credentials(),
+                                               options=options)
+                       if self._tls is not None
+                       else grpc.aio.insecure_channel(address, options=options))
             self._channels.append(channel)
             stub = control_pb2_grpc.AgentControlStub(channel)  # type: ignore[no-untyped-call]
             self._stubs.append(stub)
@@ -1210,6 +1240,16 @@ def _probability(text: str) -> float:
     return value
 
 
+def _read_tls(paths: list[str] | None) -> SimTls | None:
+    if paths is None:
+        return None
+    try:
+        ca, cert, key = (Path(p).read_bytes() for p in paths)
+    except OSError as exc:
+        raise SystemExit(f"sim: --tls: {exc}") from None
+    return SimTls(ca=ca, cert=cert, key=key)
+
+
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``sim`` options to ``parser`` (read back by :func:`run_sim`)."""
     parser.add_argument(
@@ -1252,6 +1292,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="index of the first node id (default 1); processes with disjoint ranges are one fleet",
     )
     parser.add_argument("--prefix", default="sim-node-", help="node id prefix (default sim-node-)")
+    parser.add_argument(
+        "--tls", nargs=3, default=None, metavar=("CA", "CERT", "KEY"),
+        help="PEM files for mTLS both ways, as a Go agent has (its certificate must name "
+             "127.0.0.1); default: plaintext, for a scheduler started with -insecure",
+    )
     parser.add_argument(
         "--cpu", type=_positive_int, default=8000, help="millicores per node (default 8000)"
     )
@@ -1328,6 +1373,7 @@ async def run_sim(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         control_channels=args.control_channels,
         seed=args.seed,
+        tls=_read_tls(args.tls),
     )
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()

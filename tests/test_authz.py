@@ -1,0 +1,166 @@
+"""Who may call what, from the caller's certificate: the pure decisions of handlers/authz."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from handlers.authz import (
+    AGENT_METHODS,
+    Caller,
+    NodeBinding,
+    refuse_call,
+    refuse_heartbeat,
+    refuse_registration,
+)
+from handlers.config import ConfigError, load_settings
+
+AGENT = Caller.from_auth_context({
+    "x509_common_name": [b"compute-agent"],
+    "peer_ip": [b"10.0.0.5", b"::1"],
+    "peer_dns": [b"Worker-5.Example.", b"*.pool.example"],
+})
+OPERATOR = Caller(common_name="persysctl")
+NAMES = ("compute-agent",)
+
+
+def test_the_auth_context_gives_one_spelling_per_name():
+    assert AGENT.common_name == "compute-agent"
+    assert AGENT.hosts == {"10.0.0.5", "::1", "worker-5.example", "*.pool.example"}
+    assert AGENT.describe() == "CN=compute-agent SAN=*.pool.example,10.0.0.5,::1,worker-5.example"
+    assert Caller.from_auth_context({}) == Caller()
+
+
+@pytest.mark.parametrize(("host", "named"), [
+    ("10.0.0.5", True),
+    ("[::1]", True),
+    ("0:0:0:0:0:0:0:1", True),  # the same IPv6 address, spelled out
+    ("WORKER-5.example", True),
+    ("worker-5.example.", True),
+    ("a.pool.example", True),  # wildcard: one leftmost label
+    ("a.b.pool.example", False),
+    ("pool.example", False),
+    ("10.0.0.6", False),
+    ("", False),
+])
+def test_names_host(host, named):
+    assert AGENT.names_host(host) is named
+
+
+@pytest.mark.parametrize(("method", "caller", "refused"), [
+    ("RegisterNode", AGENT, False),
+    ("Heartbeat", AGENT, False),
+    ("ControlStream", AGENT, False),
+    ("ApplyWorkload", AGENT, True),
+    ("DrainNode", AGENT, True),
+    ("GetBucketAccess", AGENT, True),
+    ("ListNodes", AGENT, True),
+    ("ApplyWorkload", OPERATOR, False),
+    ("GetBucketAccess", OPERATOR, False),
+    ("RegisterNode", OPERATOR, False),
+])
+def test_agents_call_only_agent_rpcs(method, caller, refused):
+    reason = refuse_call(method, caller, NAMES)
+    assert (reason is not None) is refused
+    if refused:
+        assert method in reason
+        assert "compute-agent" in reason
+
+
+def test_the_agent_names_are_configurable():
+    assert refuse_call("ApplyWorkload", AGENT, ("other-agent",)) is None
+    assert refuse_call("ApplyWorkload", OPERATOR, ("persysctl",)) is not None
+
+
+E = NodeBinding.ENDPOINT
+
+
+@pytest.mark.parametrize(("host", "registered", "lost", "refused_field"), [
+    ("10.0.0.5", None, False, None),                  # a new node at a host the cert names
+    ("10.0.0.5", "10.0.0.5", False, None),            # re-registration, same host
+    ("worker-5.example", "10.0.0.5", False, None),    # another name the cert also holds
+    ("10.0.0.9", None, False, "grpc_endpoint"),       # a host the cert does not name
+    ("10.0.0.5", "10.0.0.7", False, "grpc_endpoint"),  # taking a live node from another host
+    ("10.0.0.5", "10.0.0.7", True, None),             # ... allowed once that node is lost
+    ("10.0.0.5", "::1", False, None),                 # the cert names the old host as well
+])
+def test_endpoint_binding_on_registration(host, registered, lost, refused_field):
+    reason = refuse_registration(AGENT, E, node_id="n1", host=host, registered_host=registered,
+                                 lost=lost)
+    if refused_field is None:
+        assert reason is None
+    else:
+        assert reason is not None
+        assert reason.startswith(refused_field)
+
+
+@pytest.mark.parametrize(("registered", "refused"), [
+    ("10.0.0.5", False), ("::1", False), ("a.pool.example", False),
+    ("10.0.0.7", True), ("", True),
+])
+def test_endpoint_binding_on_heartbeat(registered, refused):
+    reason = refuse_heartbeat(AGENT, E, node_id="n1", registered_host=registered)
+    assert (reason is not None) is refused
+
+
+@pytest.mark.parametrize(("node_id", "refused"), [
+    ("worker-5.example", False), ("Worker-5.example", False), ("compute-agent", False),
+    ("worker-6.example", True), ("10.0.0.5", True),  # an IP SAN is not a node name
+])
+def test_name_binding(node_id, refused):
+    for reason in (
+        refuse_registration(AGENT, NodeBinding.NAME, node_id=node_id, host="10.9.9.9",
+                            registered_host="10.8.8.8", lost=False),
+        refuse_heartbeat(AGENT, NodeBinding.NAME, node_id=node_id, registered_host="10.8.8.8"),
+    ):
+        assert (reason is not None) is refused
+        if refused:
+            assert reason.startswith("node_id")
+
+
+def test_binding_off_allows_everything():
+    assert refuse_registration(Caller(), NodeBinding.OFF, node_id="n", host="h",
+                               registered_host="x", lost=False) is None
+    assert refuse_heartbeat(Caller(), NodeBinding.OFF, node_id="n", registered_host="x") is None
+
+
+hosts = st.sampled_from(["10.0.0.1", "10.0.0.2", "a.example", "b.example", "::1"])
+
+
+@given(cert=st.frozensets(hosts, max_size=3), host=hosts, registered=st.none() | hosts,
+       lost=st.booleans())
+def test_a_registration_never_moves_a_live_node_to_a_host_its_cert_does_not_hold(
+        cert, host, registered, lost):
+    caller = Caller(common_name="compute-agent", hosts=cert,
+                    dns_names=frozenset(h for h in cert if ":" not in h and "." in h
+                                        and not h[0].isdigit()))
+    allowed = refuse_registration(caller, E, node_id="n", host=host, registered_host=registered,
+                                  lost=lost) is None
+    # allowed => the cert names the host it registers, and, unless the node is new or lost,
+    # the host it was alive at
+    if allowed:
+        assert host in cert
+        if registered is not None and not lost:
+            assert registered == host or registered in cert
+    # and every such registration is allowed
+    elif host in cert:
+        assert registered is not None
+        assert not lost
+        assert registered not in cert
+
+
+def test_agent_methods_are_the_compute_agents_subset():
+    assert {"RegisterNode", "Heartbeat", "ControlStream"} == AGENT_METHODS
+
+
+def test_settings_read_the_policy_and_name_a_bad_variable():
+    defaults = load_settings({})
+    assert defaults.agent_cert_names == ("compute-agent",)
+    assert defaults.node_binding is NodeBinding.ENDPOINT
+    settings = load_settings({"SCHEDULER_AGENT_CERT_NAMES": " agent-a, agent-b ,",
+                              "SCHEDULER_NODE_BINDING": "Name"})
+    assert settings.agent_cert_names == ("agent-a", "agent-b")
+    assert settings.node_binding is NodeBinding.NAME
+    with pytest.raises(ConfigError, match="SCHEDULER_NODE_BINDING"):
+        load_settings({"SCHEDULER_NODE_BINDING": "strict"})
