@@ -134,6 +134,9 @@ def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> Pa
         raise InvalidSpec(
             "spec.type", f"unknown workload type {spec.type!r} (container, compose, vm, microvm)"
         )
+    if SECRET_METADATA & set(spec.metadata):
+        key = sorted(SECRET_METADATA & set(spec.metadata))[0]
+        raise InvalidSpec(f"spec.metadata[{key}]", NO_PASSWORDS)
     res = spec.resources
     _check_nonneg("spec.resources.cpu_millicores", res.cpu_millicores)
     _check_nonneg("spec.resources.memory_mb", res.memory_mb)
@@ -219,6 +222,14 @@ def check_agent_request(record: WorkloadSpec, metadata: dict[str, str], desired:
         raise InvalidSpec(field, f"cannot be sent to an agent: {exc}") from exc
 
 
+#: Why a VM password is refused. The Go scheduler stored it in etcd in plain text and copied it
+#: into the agent's metadata (persys-facts I.21); specs live in etcd, which holds no secrets.
+NO_PASSWORDS = ("VM passwords are not accepted: workload specs are stored in etcd, which never "
+                "holds secrets; give cloudInitConfig.sshPublicKey, or a hashed password in "
+                "cloud-init userData")
+SECRET_METADATA = frozenset({"persys.vm.password"})
+
+
 def _vm_from_request(spec: control_pb2.WorkloadSpec, metadata: dict[str, str]) -> dict[str, Any]:
     encoded = metadata.get("persys.vm_spec_b64", "")
     if encoded:
@@ -228,6 +239,14 @@ def _vm_from_request(spec: control_pb2.WorkloadSpec, metadata: dict[str, str]) -
             raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not base64 JSON") from exc
         if not isinstance(decoded, dict):
             raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not a JSON object")
+        cloud_init = decoded.get("cloudInitConfig")
+        if isinstance(cloud_init, dict) and cloud_init.get("password"):
+            raise InvalidSpec("spec.metadata[persys.vm_spec_b64].cloudInitConfig.password",
+                              NO_PASSWORDS)
+        vm_metadata = decoded.get("metadata")
+        if isinstance(vm_metadata, dict) and SECRET_METADATA & set(vm_metadata):
+            key = sorted(SECRET_METADATA & set(vm_metadata))[0]
+            raise InvalidSpec(f"spec.metadata[persys.vm_spec_b64].metadata[{key}]", NO_PASSWORDS)
         return decoded
     if spec.WhichOneof("workload") != "vm":
         raise InvalidSpec("spec.vm", "required for type vm")
@@ -345,27 +364,67 @@ def agent_apply_request(
         cs.env.update(spec.env_vars)
     else:
         req.type = agent_pb2.WORKLOAD_TYPE_VM
-        vm = spec.vm or {}
-        v = req.spec.vm
-        v.name = spec.id
-        v.vcpus = int(vm.get("vcpus", 0))
-        v.memory_mb = int(vm.get("memoryMb", 0))
-        v.os_image = str(vm.get("osImage", ""))
-        if spec.type == "microvm":
-            v.runtime = "firecracker"
-            v.metadata["persys.workload.type"] = "microvm"
-        for d in vm.get("disks", []):
-            v.disks.append(agent_pb2.DiskConfig(
-                device=str(d.get("device", "vda")), format=str(d.get("format", "qcow2")),
-                type=str(d.get("type", "disk")), size_gb=int(d.get("sizeGb", 20)),
-                storage=str(d.get("storage", "")),
-                path=f"/var/lib/libvirt/images/{spec.id}-{d.get('device', 'vda')}.qcow2"))
-        for n in vm.get("networks", []):
-            v.networks.append(agent_pb2.NetworkConfig(
-                network=str(n.get("network", "")), ip_address=str(n.get("ipAddress", "")),
-                bridge=str(n.get("bridge", ""))))
-        v.managed_volumes.extend(_managed_volume_pb(mv) for mv in vm.get("managedVolumes", []))
+        _fill_vm(req.spec.vm, spec)
     return req
+
+
+#: the VM's cloud-init fields sent to the agent (JSON key, CloudInitConfig field); never the
+#: password, which is refused at ApplyWorkload (``_refuse_secrets``)
+_CLOUD_INIT_FIELDS = (("userData", "user_data"), ("metaData", "meta_data"),
+                      ("networkConfig", "network_config"), ("vendorData", "vendor_data"),
+                      ("username", "username"), ("sshPublicKey", "ssh_public_key"))
+
+
+def _fill_vm(v: agent_pb2.VMSpec, spec: WorkloadSpec) -> None:
+    """The agent VMSpec of a stored VM spec, as the Go scheduler builds it (persys-facts
+    "How the scheduler builds an agent apply request"), minus the password."""
+    vm = spec.vm or {}
+    v.name = spec.id
+    v.vcpus = int(vm.get("vcpus", 0))
+    v.memory_mb = int(vm.get("memoryMb", 0))
+    v.os_image = str(vm.get("osImage", ""))
+    v.disk_gb = int(vm.get("diskGb", 0) or 0)
+    v.runtime = "firecracker" if spec.type == "microvm" else str(vm.get("runtime", "") or "")
+    v.cloud_init = str(vm.get("cloudInit", "") or "")
+    meta = v.metadata
+    meta.update({str(k): str(val) for k, val in (vm.get("metadata") or {}).items()})
+    if spec.type == "microvm":
+        meta["persys.workload.type"] = "microvm"
+    if v.os_image:
+        meta["os_image"] = meta["persys.vm.os_image"] = v.os_image
+    if v.disk_gb:
+        meta["disk_gb"] = meta["persys.vm.disk_gb"] = str(v.disk_gb)
+    if v.runtime:
+        meta["runtime"] = meta["persys.vm.runtime"] = v.runtime
+    cloud_init = vm.get("cloudInitConfig") or {}
+    for key, field in _CLOUD_INIT_FIELDS:
+        value = str(cloud_init.get(key, "") or "")
+        if value:
+            setattr(v.cloud_init_config, field, value)
+    if v.cloud_init_config.username:
+        meta["persys.vm.username"] = v.cloud_init_config.username
+    if v.cloud_init_config.ssh_public_key:
+        meta["persys.vm.ssh_public_key"] = v.cloud_init_config.ssh_public_key
+    for d in vm.get("disks", []):
+        device = str(d.get("device") or "vda")
+        disk_format = str(d.get("format") or "qcow2")
+        suffix = "img" if disk_format == "raw" else "qcow2"
+        v.disks.append(agent_pb2.DiskConfig(
+            path=str(d.get("path") or f"/var/lib/libvirt/images/{spec.id}-{device}.{suffix}"),
+            device=device, format=disk_format, type=str(d.get("type") or "disk"),
+            size_gb=int(d.get("sizeGb") or 20), boot=bool(d.get("boot", False)),
+            backing_file=str(d.get("backingFile") or ""), storage=str(d.get("storage") or "")))
+    for n in vm.get("networks", []):
+        host_dev = str(n.get("hostDevName") or "")
+        bridge = str(n.get("bridge") or "")
+        name = str(n.get("network") or "") or bridge or host_dev
+        v.networks.append(agent_pb2.NetworkConfig(
+            network=name, mac_address=str(n.get("macAddress") or ""),
+            ip_address=str(n.get("ipAddress") or ""), host_dev_name=host_dev,
+            model=str(n.get("model") or ""), bridge=bridge))
+        if host_dev:
+            meta[f"persys.vm.host_dev.{name}"] = host_dev
+    v.managed_volumes.extend(_managed_volume_pb(mv) for mv in vm.get("managedVolumes", []))
 
 
 def spec_size(req: control_pb2.ApplyWorkloadRequest) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import grpc
@@ -78,6 +79,11 @@ BAD_SPECS = [
         type="container", container=pb.ContainerSpec()))),
     ("spec", pb.ApplyWorkloadRequest(workload_id="huge", spec=pb.WorkloadSpec(
         type="container", container=pb.ContainerSpec(image="x", env={"BIG": "x" * 1_100_000})))),
+    ("spec.metadata[persys.vm_spec_b64].cloudInitConfig.password",
+     pb.ApplyWorkloadRequest(workload_id="vm-pw", spec=pb.WorkloadSpec(type="vm", metadata={
+         "persys.vm_spec_b64": base64.b64encode(json.dumps({
+             "vcpus": 1, "memoryMb": 512,
+             "cloudInitConfig": {"password": "hunter2"}}).encode()).decode()}))),
 ]
 
 

@@ -72,3 +72,80 @@ def test_any_vm_json_is_accepted_convertible_or_refused_in_band(vm: dict[str, An
         return
     assert parsed.spec is not None
     agent_apply_request(parsed.spec, parsed.metadata, parsed.desired_state)
+
+
+def _vm_agent_request(vm: dict[str, Any], wtype: str = "vm") -> Any:
+    request = vm_request(vm)
+    request.spec.type = wtype
+    parsed = parse_apply(request, created_at="")
+    assert parsed.spec is not None
+    return agent_apply_request(parsed.spec, parsed.metadata, parsed.desired_state).spec.vm
+
+
+def test_a_vm_reaches_the_agent_as_the_go_scheduler_sent_it() -> None:
+    v = _vm_agent_request({
+        "vcpus": 2, "memoryMb": 2048, "osImage": "debian-12", "diskGb": 30,
+        "runtime": "libvirt", "cloudInit": "#cloud-config\n", "metadata": {"team": "a"},
+        "cloudInitConfig": {"userData": "#cloud-config\nusers: []\n", "metaData": "m",
+                            "networkConfig": "n", "vendorData": "v", "username": "ops",
+                            "sshPublicKey": "ssh-ed25519 AAAA ops"},
+        "disks": [{"device": "vdb", "format": "raw", "sizeGb": 0, "boot": True},
+                  {"path": "/data/x.qcow2", "backingFile": "/base.qcow2", "storage": "pool"}],
+        "networks": [{"hostDevName": "eth1", "macAddress": "52:54:00:00:00:01",
+                      "model": "virtio"}, {"bridge": "br0", "ipAddress": "10.0.0.9"}],
+    })
+    assert (v.name, v.vcpus, v.memory_mb, v.os_image, v.disk_gb, v.runtime, v.cloud_init) == (
+        "vm-1", 2, 2048, "debian-12", 30, "libvirt", "#cloud-config\n")
+    ci = v.cloud_init_config
+    assert (ci.user_data, ci.meta_data, ci.network_config, ci.vendor_data, ci.username,
+            ci.ssh_public_key, ci.password) == (
+        "#cloud-config\nusers: []\n", "m", "n", "v", "ops", "ssh-ed25519 AAAA ops", "")
+    assert dict(v.metadata) == {
+        "team": "a", "os_image": "debian-12", "persys.vm.os_image": "debian-12",
+        "disk_gb": "30", "persys.vm.disk_gb": "30", "runtime": "libvirt",
+        "persys.vm.runtime": "libvirt", "persys.vm.username": "ops",
+        "persys.vm.ssh_public_key": "ssh-ed25519 AAAA ops", "persys.vm.host_dev.eth1": "eth1"}
+    raw, given = v.disks
+    assert (raw.path, raw.device, raw.format, raw.type, raw.size_gb, raw.boot) == (
+        "/var/lib/libvirt/images/vm-1-vdb.img", "vdb", "raw", "disk", 20, True)
+    assert (given.path, given.device, given.format, given.backing_file, given.storage) == (
+        "/data/x.qcow2", "vda", "qcow2", "/base.qcow2", "pool")
+    dev, bridged = v.networks
+    assert (dev.network, dev.host_dev_name, dev.mac_address, dev.model) == (
+        "eth1", "eth1", "52:54:00:00:00:01", "virtio")
+    assert (bridged.network, bridged.bridge, bridged.ip_address) == ("br0", "br0", "10.0.0.9")
+
+
+def test_a_microvm_runs_on_firecracker() -> None:
+    v = _vm_agent_request({"vcpus": 1, "memoryMb": 256, "runtime": "libvirt"}, "microvm")
+    assert v.runtime == "firecracker"
+    assert v.metadata["persys.workload.type"] == "microvm"
+    assert v.metadata["persys.vm.runtime"] == "firecracker"
+
+
+def test_the_control_api_cloud_init_reaches_the_agent() -> None:
+    request = pb.ApplyWorkloadRequest(workload_id="vm-2", spec=pb.WorkloadSpec(
+        type="vm", vm=pb.VMSpec(vcpus=1, memory_mb=512, os_image="alpine",
+                                cloud_init=pb.CloudInitConfig(user_data="#cloud-config\n"))))
+    parsed = parse_apply(request, created_at="")
+    assert parsed.spec is not None
+    v = agent_apply_request(parsed.spec, parsed.metadata, parsed.desired_state).spec.vm
+    assert v.cloud_init_config.user_data == "#cloud-config\n"
+    assert v.os_image == "alpine"
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    (vm_request({"vcpus": 1, "memoryMb": 256, "cloudInitConfig": {"password": "hunter2"}}),
+     "spec.metadata[persys.vm_spec_b64].cloudInitConfig.password"),
+    (vm_request({"vcpus": 1, "memoryMb": 256, "metadata": {"persys.vm.password": "hunter2"}}),
+     "spec.metadata[persys.vm_spec_b64].metadata[persys.vm.password]"),
+    (pb.ApplyWorkloadRequest(workload_id="c-1", spec=pb.WorkloadSpec(
+        type="container", container=pb.ContainerSpec(image="x"),
+        metadata={"persys.vm.password": "hunter2"})), "spec.metadata[persys.vm.password]"),
+], ids=["cloud-init", "vm-metadata", "request-metadata"])
+def test_a_vm_password_is_refused_naming_the_field(request_: Any, field: str) -> None:
+    with pytest.raises(InvalidSpec) as caught:
+        parse_apply(request_, created_at="")
+    assert str(caught.value).startswith(field)
+    assert "hunter2" not in str(caught.value)
+    assert "etcd" in str(caught.value)
