@@ -15,8 +15,9 @@ both decided here from plain values so they can be tested with tables:
     as an IP or DNS subject alternative name. That is the name the scheduler checks when it
     dials the agent with TLS, so every Go agent whose scheduler can reach it already carries
     it. A node that is alive keeps its endpoint host: moving it to another host needs a
-    certificate naming the old host too, or the node to be lost (NotReady) first, so an agent
-    cannot redirect a live node's workloads to itself.
+    certificate naming the old host too, or the node to be lost first (NotReady, or its
+    liveness lease expired: a Draining node keeps its status when lost), so an agent cannot
+    redirect a live node's workloads to itself.
   * ``name``: the node id must be the certificate's common name or one of its DNS names (a
     PKI that issues one certificate per node; the Kubernetes node-authorizer model).
   * ``off``: no binding, as in the Go version.
@@ -108,7 +109,8 @@ def refuse_registration(
     """Why ``caller`` may not register ``node_id`` at ``host``, or None if it may.
 
     ``registered_host``: the host of the node's current endpoint (None for a new node);
-    ``lost``: the node is NotReady, so its old agent no longer speaks for it.
+    ``lost``: the node is NotReady or its liveness lease expired, so its old agent no longer
+    speaks for it.
     """
     if binding is NodeBinding.OFF:
         return None
@@ -122,7 +124,7 @@ def refuse_registration(
     if caller.names_host(registered_host):
         return None
     return (f"grpc_endpoint: node {node_id!r} is alive at host {registered_host!r}; another "
-            f"host may register it only once it is NotReady")
+            f"host may register it only once it is lost (NotReady, or its lease expired)")
 
 
 def refuse_heartbeat(caller: Caller, binding: NodeBinding, *, node_id: str,

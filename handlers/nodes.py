@@ -190,7 +190,8 @@ class NodeCommands:
                 refusal = refuse_registration(
                     caller, self.settings.node_binding, node_id=node_id, host=host,
                     registered_host=(previous.ip_address or None) if previous else None,
-                    lost=previous is not None and previous.status == NOT_READY)
+                    lost=previous is not None and (previous.status == NOT_READY
+                                                   or self.cluster.alive.get(node_id) is None))
                 if refusal is not None:
                     raise _Refused(refusal)
             node = copy.deepcopy(previous) if previous else Node(node_id=node_id)

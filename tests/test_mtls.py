@@ -208,7 +208,7 @@ async def test_an_agent_cannot_speak_for_another_node(pki, tls_scheduler):
             timeout=5)
         assert not takeover.accepted
         assert takeover.reason.startswith("grpc_endpoint")
-        assert "NotReady" in takeover.reason
+        assert "only once it is lost" in takeover.reason
         # claiming a host its certificate does not name
         forged = await intruder.RegisterNode(pb.RegisterNodeRequest(
             node_id="forged", grpc_endpoint="127.0.0.1:50051", capabilities=caps), timeout=5)
@@ -230,6 +230,22 @@ async def test_an_agent_cannot_speak_for_another_node(pki, tls_scheduler):
         own = await intruder.RegisterNode(pb.RegisterNodeRequest(
             node_id="far-node", grpc_endpoint="10.1.2.3:50051", capabilities=caps), timeout=5)
         assert own.accepted, own.reason
+
+        # once the node is lost, another host may register it (a re-addressed machine). A
+        # Draining node keeps its status when lost: its expired lease is what counts.
+        drained = await operator.DrainNode(pb.DrainNodeRequest(node_id=victim.node_id))
+        assert drained.accepted, drained
+        await victim.crash()
+
+        async def moved() -> bool:
+            again = await intruder.RegisterNode(pb.RegisterNodeRequest(
+                node_id=victim.node_id, grpc_endpoint="10.1.2.3:50051", capabilities=caps),
+                timeout=5)
+            return again.accepted
+
+        await wait_for(moved, timeout=20, interval=0.5, message="registration once lost")
+        node = (await operator.GetNode(pb.GetNodeRequest(node_id=victim.node_id))).node
+        assert node.grpc_endpoint == "10.1.2.3:50051"
 
 
 async def test_name_binding_ties_the_node_id_to_the_certificate(
