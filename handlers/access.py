@@ -34,11 +34,14 @@ def caller_of(context: grpc.aio.ServicerContext) -> Caller:
 
 
 class AgentRoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Answers ``PERMISSION_DENIED`` when an agent certificate calls a non-agent
-    AgentControl RPC. Health and reflection stay open to every verified certificate."""
+    """Answers ``PERMISSION_DENIED`` when a certificate may not call an AgentControl RPC
+    (:func:`handlers.authz.refuse_call`). Health and reflection stay open to every verified
+    certificate."""
 
-    def __init__(self, agent_names: tuple[str, ...], on_refusal: Callable[[str], None]) -> None:
-        self._agent_names = frozenset(agent_names)
+    def __init__(self, agent_names: tuple[str, ...], on_refusal: Callable[[str], None],
+                 operator_names: tuple[str, ...] = ()) -> None:
+        self._agent_names = agent_names
+        self._operator_names = operator_names
         self._on_refusal = on_refusal
 
     async def intercept_service(
@@ -63,7 +66,7 @@ class AgentRoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def _check(self, method: str, context: grpc.aio.ServicerContext) -> None:
         caller = caller_of(context)
-        reason = refuse_call(method, caller, self._agent_names)
+        reason = refuse_call(method, caller, self._agent_names, self._operator_names)
         if reason is not None:
             self._on_refusal(method)
             log.warning("call refused method=%s caller=%s", method, caller.describe())

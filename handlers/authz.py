@@ -6,8 +6,12 @@ node id, taking over another node's workloads (persys-facts I.21). Two rules clo
 both decided here from plain values so they can be tested with tables:
 
 * **Agents call only agent RPCs.** A certificate whose common name is one of
-  ``SCHEDULER_AGENT_CERT_NAMES`` (default ``compute-agent``, the Go agent's PKI role) may call
-  RegisterNode, Heartbeat and ControlStream, and nothing else.
+  ``SCHEDULER_AGENT_CERT_NAMES`` (default ``compute-agent``, the Go agent's PKI role; names
+  compare without regard to case) may call RegisterNode, Heartbeat and ControlStream, and
+  nothing else. Neither may a certificate without a common name, which cannot be told from an
+  agent's. ``SCHEDULER_OPERATOR_CERT_NAMES``, when set, is the list of the common names that
+  may call the other RPCs (default: any other name, as the Go deployments' gateway, CLI and
+  automation certificates have names this scheduler cannot know).
 * **A node is bound to the certificate that speaks for it** (``SCHEDULER_NODE_BINDING``),
   whoever calls RegisterNode or Heartbeat:
 
@@ -17,7 +21,10 @@ both decided here from plain values so they can be tested with tables:
     it. A node that is alive keeps its endpoint host: moving it to another host needs a
     certificate naming the old host too, or the node to be lost first (NotReady, or its
     liveness lease expired: a Draining node keeps its status when lost), so an agent cannot
-    redirect a live node's workloads to itself.
+    redirect a live node's workloads to itself. The commit that moves a node compares that
+    its liveness key is still absent in etcd, so a projection running behind cannot mistake a
+    live node for a lost one. This protects live nodes only: for a binding that holds while a
+    node is down, issue one certificate per node and use ``name``.
   * ``name``: the node id must be the certificate's common name or one of its DNS names (a
     PKI that issues one certificate per node; the Kubernetes node-authorizer model).
   * ``off``: no binding, as in the Go version.
@@ -43,24 +50,38 @@ class NodeBinding(enum.StrEnum):
     NAME = "name"
 
 
-def _host_key(name: str) -> str:
-    """One spelling per host: IPs compressed (and without brackets), DNS names lowercased."""
-    name = name.strip().strip("[]").rstrip(".").lower()
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``name`` as an IP address (brackets and a zone id dropped, an IPv4-mapped IPv6
+    address as its IPv4 address, as Go compares them), or None for a DNS name."""
+    text = name.strip().strip("[]").split("%", 1)[0]
     try:
-        return ipaddress.ip_address(name).compressed
+        ip = ipaddress.ip_address(text)
     except ValueError:
-        return name
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _dns_key(name: str) -> str:
+    return name.strip().rstrip(".").lower()
+
+
+def _same_host(a: str, b: str) -> bool:
+    ip_a, ip_b = _ip(a), _ip(b)
+    if ip_a is not None or ip_b is not None:
+        return ip_a == ip_b
+    return _dns_key(a) == _dns_key(b)
 
 
 @dataclasses.dataclass(frozen=True)
 class Caller:
-    """The identity a verified client certificate presents.
-
-    ``hosts``: its IP and DNS subject alternative names, as :func:`_host_key` spells them.
-    """
+    """The identity a verified client certificate presents: its common name, and its IP and
+    DNS subject alternative names, kept apart as TLS hostname checks keep them (an IP host is
+    matched by IP SANs only, a DNS host by DNS SANs only)."""
 
     common_name: str = ""
-    hosts: frozenset[str] = frozenset()
+    ips: frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address] = frozenset()
     dns_names: frozenset[str] = frozenset()
 
     @classmethod
@@ -72,34 +93,77 @@ class Caller:
             return [v.decode("utf-8", "replace") for v in auth.get(key, ())]
 
         common = texts("x509_common_name")
-        dns = frozenset(_host_key(n) for n in texts("peer_dns"))
-        ips = frozenset(_host_key(n) for n in texts("peer_ip"))
-        return cls(common_name=common[0] if common else "", hosts=dns | ips, dns_names=dns)
+        ips = frozenset(ip for ip in map(_ip, texts("peer_ip")) if ip is not None)
+        dns = frozenset(_dns_key(n) for n in texts("peer_dns"))
+        return cls(common_name=common[0] if common else "", ips=ips, dns_names=dns)
+
+    @classmethod
+    def of(cls, common_name: str = "", names: Iterable[str] = ()) -> Caller:
+        """A caller from plain names (IPs become IP SANs, the rest DNS SANs): for tests."""
+        ips = {_ip(n) for n in names}
+        return cls(common_name=common_name,
+                   ips=frozenset(ip for ip in ips if ip is not None),
+                   dns_names=frozenset(_dns_key(n) for n in names if _ip(n) is None))
 
     def describe(self) -> str:
         """For logs and refusals: the common name and names, never the certificate itself."""
-        names = ",".join(sorted(self.hosts)) or "-"
+        names = ",".join(sorted([*map(str, self.ips), *self.dns_names])) or "-"
         return f"CN={self.common_name or '-'} SAN={names}"
 
     def names_host(self, host: str) -> bool:
-        """True if a SAN matches ``host``, exactly or by a leftmost ``*.`` wildcard."""
-        key = _host_key(host)
-        if key in self.hosts:
+        """True if a SAN matches ``host``: an IP host an IP SAN; a DNS host a DNS SAN, exactly
+        or by a leftmost ``*.`` wildcard."""
+        if not host.strip():
+            return False
+        ip = _ip(host)
+        if ip is not None:
+            return ip in self.ips
+        key = _dns_key(host)
+        if key in self.dns_names:
             return True
         _, dot, parent = key.partition(".")
         return bool(dot) and f"*.{parent}" in self.dns_names
 
 
+def _names(names: Iterable[str]) -> frozenset[str]:
+    return frozenset(n.strip().casefold() for n in names if n.strip())
+
+
 def is_agent(caller: Caller, agent_names: Iterable[str]) -> bool:
-    return caller.common_name in set(agent_names)
+    return caller.common_name.strip().casefold() in _names(agent_names)
 
 
-def refuse_call(method: str, caller: Caller, agent_names: Iterable[str]) -> str | None:
-    """Why ``caller`` may not call ``method`` (its short name), or None if it may."""
-    if method in AGENT_METHODS or not is_agent(caller, agent_names):
+def refuse_call(method: str, caller: Caller, agent_names: Iterable[str],
+                operator_names: Iterable[str] = ()) -> str | None:
+    """Why ``caller`` may not call ``method`` (its short name), or None if it may.
+
+    Agent RPCs are open to every verified certificate (the node binding decides for which
+    node). Every other RPC refuses agent certificates, certificates without a common name
+    (which cannot be told from an agent's), and, when ``operator_names`` is not empty,
+    every common name not in it. Names compare without regard to case.
+    """
+    if method in AGENT_METHODS:
         return None
-    return (f"an agent certificate ({caller.describe()}) may call only "
-            f"{', '.join(sorted(AGENT_METHODS))}, not {method}")
+    if is_agent(caller, agent_names):
+        return (f"an agent certificate ({caller.describe()}) may call only "
+                f"{', '.join(sorted(AGENT_METHODS))}, not {method}")
+    if not caller.common_name.strip():
+        return f"a certificate without a common name ({caller.describe()}) may not call {method}"
+    operators = _names(operator_names)
+    if operators and caller.common_name.strip().casefold() not in operators:
+        return (f"the certificate ({caller.describe()}) is not an operator's "
+                f"(SCHEDULER_OPERATOR_CERT_NAMES) and may not call {method}")
+    return None
+
+
+def moves_node(caller: Caller, binding: NodeBinding, *, host: str,
+               registered_host: str | None) -> bool:
+    """True if registering at ``host`` takes a node from the host it is registered at, which
+    the caller's certificate does not name: allowed only while the node is lost, so the commit
+    must also check that its liveness key is still absent."""
+    return (binding is NodeBinding.ENDPOINT and bool(registered_host)
+            and not _same_host(host, registered_host or "")
+            and not caller.names_host(registered_host or ""))
 
 
 def refuse_registration(
@@ -119,9 +183,7 @@ def refuse_registration(
     if not caller.names_host(host):
         return (f"grpc_endpoint: host {host!r} is not named by the client certificate "
                 f"({caller.describe()})")
-    if registered_host is None or lost or _host_key(registered_host) == _host_key(host):
-        return None
-    if caller.names_host(registered_host):
+    if not moves_node(caller, binding, host=host, registered_host=registered_host) or lost:
         return None
     return (f"grpc_endpoint: node {node_id!r} is alive at host {registered_host!r}; another "
             f"host may register it only once it is lost (NotReady, or its lease expired)")
@@ -142,7 +204,7 @@ def refuse_heartbeat(caller: Caller, binding: NodeBinding, *, node_id: str,
 
 
 def _refuse_name(caller: Caller, node_id: str) -> str | None:
-    if node_id == caller.common_name or _host_key(node_id) in caller.dns_names:
+    if node_id == caller.common_name or _dns_key(node_id) in caller.dns_names:
         return None
     return (f"node_id: {node_id!r} is neither the common name nor a DNS name of the client "
             f"certificate ({caller.describe()})")

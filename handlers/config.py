@@ -90,6 +90,7 @@ class Settings:
     agent_tls_enabled: bool = True
     #: common names of agent certificates, and how a node is tied to its caller (handlers/authz)
     agent_cert_names: tuple[str, ...] = DEFAULT_AGENT_CERT_NAMES
+    operator_cert_names: tuple[str, ...] = ()
     node_binding: NodeBinding = NodeBinding.ENDPOINT
     agent_rpc_timeout_s: float = 10.0
     agent_apply_timeout_s: float = 45.0
@@ -224,6 +225,11 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         )
     agent_cert_names = tuple(n.strip() for n in r.text(
         "SCHEDULER_AGENT_CERT_NAMES", ",".join(DEFAULT_AGENT_CERT_NAMES)).split(",") if n.strip())
+    if not agent_cert_names:
+        raise ConfigError("SCHEDULER_AGENT_CERT_NAMES: at least one common name is required "
+                          "(agents would otherwise be allowed every RPC)")
+    operator_cert_names = tuple(n.strip() for n in r.text(
+        "SCHEDULER_OPERATOR_CERT_NAMES", "").split(",") if n.strip())
     binding_text = r.text("SCHEDULER_NODE_BINDING", NodeBinding.ENDPOINT.value).lower()
     if binding_text not in {b.value for b in NodeBinding}:
         raise ConfigError(f"SCHEDULER_NODE_BINDING: {binding_text!r} is not one of "
@@ -264,6 +270,7 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         vault_enabled=r.flag("PERSYS_VAULT_ENABLED", False),
         agent_tls_enabled=r.flag("SCHEDULER_AGENT_TLS_ENABLED", not insecure),
         agent_cert_names=agent_cert_names,
+        operator_cert_names=operator_cert_names,
         node_binding=NodeBinding(binding_text),
         agent_rpc_timeout_s=r.duration("SCHEDULER_AGENT_RPC_TIMEOUT", 10.0, allow_zero=False),
         agent_apply_timeout_s=r.duration("SCHEDULER_AGENT_APPLY_TIMEOUT", 45.0),

@@ -32,7 +32,7 @@ from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, Resources, Taint, WorkloadStatus, encode
-from handlers.authz import Caller, refuse_heartbeat, refuse_registration
+from handlers.authz import Caller, moves_node, refuse_heartbeat, refuse_registration
 from handlers.config import Settings
 from handlers.liveness import RenewalLog, lease_ttl
 from handlers.modes import ModeState
@@ -195,6 +195,11 @@ class NodeCommands:
                 if refusal is not None:
                     raise _Refused(refusal)
             node = copy.deepcopy(previous) if previous else Node(node_id=node_id)
+            # a move to another host was allowed because the node looked lost here: etcd must
+            # agree at commit time (no liveness key), or the CAS fails and this is decided again
+            moving = caller is not None and previous is not None and moves_node(
+                caller, self.settings.node_binding, host=host,
+                registered_host=previous.ip_address or None)
             node.ip_address = host.strip("[]")
             node.agent_port = int(port_text)
             node.agent_grpc_port = int(port_text)
@@ -224,6 +229,8 @@ class NodeCommands:
                 node.status = READY
             changed = previous is None or _identity(previous) != _identity(node) or joined
             change = Change(kind="node")
+            if moving:
+                change.compares.append(Compare.mod(self.layout.alive(node_id), 0))
             if changed:
                 node.timestamp = stamp
                 node.last_heartbeat = stamp

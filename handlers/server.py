@@ -266,7 +266,8 @@ class Scheduler:
         if not self.settings.insecure:
             refused = self.metrics.calls_refused
             interceptors.append(AgentRoleInterceptor(
-                self.settings.agent_cert_names, lambda method: refused.labels(method).inc()))
+                self.settings.agent_cert_names, lambda method: refused.labels(method).inc(),
+                self.settings.operator_cert_names))
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         control_pb2_grpc.add_AgentControlServicer_to_server(  # type: ignore[no-untyped-call]
             self.servicer, server)

@@ -134,9 +134,9 @@ def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> Pa
         raise InvalidSpec(
             "spec.type", f"unknown workload type {spec.type!r} (container, compose, vm, microvm)"
         )
-    if SECRET_METADATA & set(spec.metadata):
-        key = sorted(SECRET_METADATA & set(spec.metadata))[0]
-        raise InvalidSpec(f"spec.metadata[{key}]", NO_PASSWORDS)
+    secret = _secret_key(spec.metadata)
+    if secret is not None:
+        raise InvalidSpec(f"spec.metadata[{secret}]", NO_PASSWORDS)
     res = spec.resources
     _check_nonneg("spec.resources.cpu_millicores", res.cpu_millicores)
     _check_nonneg("spec.resources.memory_mb", res.memory_mb)
@@ -230,6 +230,69 @@ NO_PASSWORDS = ("VM passwords are not accepted: workload specs are stored in etc
 SECRET_METADATA = frozenset({"persys.vm.password"})
 
 
+def _schema(*keys: str) -> dict[str, str]:
+    """Spelling-free key -> the stored spelling. The Go gateway encodes the VM spec with
+    snake_case keys (which Go decodes without regard to case); stored records and this
+    scheduler's own clients use camelCase. Both are read; anything else is dropped."""
+    return {_loose(k): k for k in keys}
+
+
+def _loose(key: object) -> str:
+    return str(key).replace("_", "").lower()
+
+
+_VM_KEYS = _schema("name", "vcpus", "memoryMb", "osImage", "diskGb", "disks", "networks",
+                   "cloudInit", "metadata", "cloudInitConfig", "managedVolumes", "runtime")
+_DISK_KEYS = _schema("path", "device", "format", "sizeGb", "type", "boot", "backingFile",
+                     "storage")
+_NETWORK_KEYS = _schema("network", "macAddress", "ipAddress", "hostDevName", "model", "bridge")
+_CLOUD_INIT_KEYS = _schema("userData", "metaData", "networkConfig", "vendorData", "username",
+                           "sshPublicKey")
+_VOLUME_KEYS = _schema("name", "driver", "size_gb", "access_mode", "fs_type", "mount_path",
+                       "read_only", "retain_policy")
+
+
+def _pick(value: Any, schema: dict[str, str]) -> Any:
+    """``value``'s known keys in their stored spelling; a value of the wrong shape is kept
+    as it is, for ``check_agent_request`` to refuse naming the field."""
+    if not isinstance(value, dict):
+        return value
+    return {schema[_loose(k)]: v for k, v in value.items() if _loose(k) in schema}
+
+
+def _pick_each(value: Any, schema: dict[str, str]) -> Any:
+    return [_pick(item, schema) for item in value] if isinstance(value, list) else value
+
+
+def normalize_vm_json(decoded: dict[str, Any]) -> dict[str, Any]:
+    """The VM spec of ``persys.vm_spec_b64`` in the stored schema; refuses a password under
+    any spelling (InvalidSpec)."""
+    field = "spec.metadata[persys.vm_spec_b64]"
+    vm: dict[str, Any] = _pick(decoded, _VM_KEYS)
+    cloud_init = vm.get("cloudInitConfig")
+    if isinstance(cloud_init, dict):
+        if any(_loose(k) == "password" and v for k, v in cloud_init.items()):
+            raise InvalidSpec(f"{field}.cloudInitConfig.password", NO_PASSWORDS)
+        vm["cloudInitConfig"] = _pick(cloud_init, _CLOUD_INIT_KEYS)
+    metadata = vm.get("metadata")
+    if isinstance(metadata, dict):
+        secret = _secret_key(metadata)
+        if secret is not None:
+            raise InvalidSpec(f"{field}.metadata[{secret}]", NO_PASSWORDS)
+    vm["disks"] = _pick_each(vm.get("disks", []), _DISK_KEYS)
+    vm["networks"] = _pick_each(vm.get("networks", []), _NETWORK_KEYS)
+    vm["managedVolumes"] = _pick_each(vm.get("managedVolumes", []), _VOLUME_KEYS)
+    return vm
+
+
+def _secret_key(metadata: Any) -> str | None:
+    """The first key of ``metadata`` that names a secret (any case), or None."""
+    for key in metadata:
+        if str(key).strip().lower() in SECRET_METADATA:
+            return str(key)
+    return None
+
+
 def _vm_from_request(spec: control_pb2.WorkloadSpec, metadata: dict[str, str]) -> dict[str, Any]:
     encoded = metadata.get("persys.vm_spec_b64", "")
     if encoded:
@@ -239,15 +302,7 @@ def _vm_from_request(spec: control_pb2.WorkloadSpec, metadata: dict[str, str]) -
             raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not base64 JSON") from exc
         if not isinstance(decoded, dict):
             raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not a JSON object")
-        cloud_init = decoded.get("cloudInitConfig")
-        if isinstance(cloud_init, dict) and cloud_init.get("password"):
-            raise InvalidSpec("spec.metadata[persys.vm_spec_b64].cloudInitConfig.password",
-                              NO_PASSWORDS)
-        vm_metadata = decoded.get("metadata")
-        if isinstance(vm_metadata, dict) and SECRET_METADATA & set(vm_metadata):
-            key = sorted(SECRET_METADATA & set(vm_metadata))[0]
-            raise InvalidSpec(f"spec.metadata[persys.vm_spec_b64].metadata[{key}]", NO_PASSWORDS)
-        return decoded
+        return normalize_vm_json(decoded)
     if spec.WhichOneof("workload") != "vm":
         raise InvalidSpec("spec.vm", "required for type vm")
     v = spec.vm
@@ -387,7 +442,8 @@ def _fill_vm(v: agent_pb2.VMSpec, spec: WorkloadSpec) -> None:
     v.runtime = "firecracker" if spec.type == "microvm" else str(vm.get("runtime", "") or "")
     v.cloud_init = str(vm.get("cloudInit", "") or "")
     meta = v.metadata
-    meta.update({str(k): str(val) for k, val in (vm.get("metadata") or {}).items()})
+    meta.update({str(k): str(val) for k, val in (vm.get("metadata") or {}).items()
+                 if str(k).strip().lower() not in SECRET_METADATA})  # records the Go version wrote
     if spec.type == "microvm":
         meta["persys.workload.type"] = "microvm"
     if v.os_image:

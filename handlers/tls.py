@@ -25,23 +25,31 @@ log = logging.getLogger("persys.tls")
 
 
 class ServerCertificates:
-    """Files -> ``grpc.ServerCertificateConfiguration``, validated, cached by mtime."""
+    """Files -> ``grpc.ServerCertificateConfiguration``, validated, cached by file stamp."""
 
     def __init__(self, ca: str, cert: str, key: str) -> None:
         self._paths = (ca, cert, key)
-        self._stamp: tuple[int, ...] | None = None
-        self._config = self._load()  # the first load must succeed: nothing to fall back to
+        #: the stamp of the files last tried, loaded or not: a broken set is tried (and
+        #: logged) once, not on every handshake
+        self._tried: tuple[tuple[int, ...], ...] | None = None
+        self._last_error = ""
+        self._config = self._load(self._stamps())  # must succeed: nothing to fall back to
 
-    def _stamps(self) -> tuple[int, ...]:
-        return tuple(os.stat(p).st_mtime_ns for p in self._paths)
+    def _stamps(self) -> tuple[tuple[int, ...], ...]:
+        """Modification time, change time, inode and size of each file: a rotation that keeps
+        the old modification time (``cp -p``, ``tar``) still changes the inode or ctime."""
+        stamps = []
+        for path in self._paths:
+            st = os.stat(path)
+            stamps.append((st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_size))
+        return tuple(stamps)
 
-    def _load(self) -> grpc.ServerCertificateConfiguration:
-        stamp = self._stamps()
+    def _load(self, stamp: tuple[tuple[int, ...], ...]) -> grpc.ServerCertificateConfiguration:
+        self._tried = stamp
         ca, cert, key = (_read(p) for p in self._paths)
         _validate(*self._paths, ca)
         if (ca, cert, key) != tuple(_read(p) for p in self._paths):
             raise ValueError("the files changed while they were read")
-        self._stamp = stamp
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def credentials(self) -> grpc.ServerCredentials:
@@ -52,12 +60,16 @@ class ServerCertificates:
         """Called by gRPC before each handshake: a new configuration, or None to keep the
         current one."""
         try:
-            if self._stamps() == self._stamp:
+            stamp = self._stamps()
+            if stamp == self._tried:
                 return None
-            self._config = self._load()
+            self._config = self._load(stamp)
         except (OSError, ValueError, ssl.SSLError) as exc:
-            log.warning("tls files not reloaded, the last good ones stay in use: %s", exc)
+            if str(exc) != self._last_error:  # once per problem, not once per handshake
+                log.warning("tls files not reloaded, the last good ones stay in use: %s", exc)
+                self._last_error = str(exc)
             return None
+        self._last_error = ""
         log.info("tls files reloaded ca=%s cert=%s key=%s", *self._paths)
         return self._config
 

@@ -10,6 +10,7 @@ from handlers.authz import (
     AGENT_METHODS,
     Caller,
     NodeBinding,
+    moves_node,
     refuse_call,
     refuse_heartbeat,
     refuse_registration,
@@ -27,7 +28,8 @@ NAMES = ("compute-agent",)
 
 def test_the_auth_context_gives_one_spelling_per_name():
     assert AGENT.common_name == "compute-agent"
-    assert AGENT.hosts == {"10.0.0.5", "::1", "worker-5.example", "*.pool.example"}
+    assert Caller.of("compute-agent", ["10.0.0.5", "::1", "worker-5.example",
+                                                "*.pool.example"]) == AGENT
     assert AGENT.describe() == "CN=compute-agent SAN=*.pool.example,10.0.0.5,::1,worker-5.example"
     assert Caller.from_auth_context({}) == Caller()
 
@@ -43,9 +45,26 @@ def test_the_auth_context_gives_one_spelling_per_name():
     ("pool.example", False),
     ("10.0.0.6", False),
     ("", False),
+    ("::ffff:10.0.0.5", True),  # IPv4-mapped: the same address, as Go compares them
+    ("fe80::1%eth0", False),
 ])
 def test_names_host(host, named):
     assert AGENT.names_host(host) is named
+
+
+@pytest.mark.parametrize(("names", "host", "named"), [
+    (["10.9.9.9"], "10.9.9.9", True),
+    (["*.0.0.5"], "10.0.0.5", False),  # a DNS wildcard never matches an IP host
+    (["fe80::1"], "[fe80::1%eth0]", True),  # the zone id is not part of the address
+])
+def test_ip_hosts_match_ip_sans_only(names, host, named):
+    assert Caller.of("compute-agent", names).names_host(host) is named
+
+
+def test_a_dns_san_spelled_like_an_ip_does_not_name_that_ip():
+    caller = Caller.from_auth_context({"x509_common_name": [b"compute-agent"],
+                                       "peer_dns": [b"10.9.9.9"]})
+    assert not caller.names_host("10.9.9.9")
 
 
 @pytest.mark.parametrize(("method", "caller", "refused"), [
@@ -59,18 +78,26 @@ def test_names_host(host, named):
     ("ApplyWorkload", OPERATOR, False),
     ("GetBucketAccess", OPERATOR, False),
     ("RegisterNode", OPERATOR, False),
+    ("ListNodes", Caller.of("Compute-Agent"), True),  # names compare without case
+    ("WatchEvents", Caller.of("", ["10.0.0.5"]), True),  # no common name: not an operator
+    ("RegisterNode", Caller.of("", ["10.0.0.5"]), False),
 ])
 def test_agents_call_only_agent_rpcs(method, caller, refused):
     reason = refuse_call(method, caller, NAMES)
     assert (reason is not None) is refused
     if refused:
         assert method in reason
-        assert "compute-agent" in reason
 
 
-def test_the_agent_names_are_configurable():
+def test_the_agent_and_operator_names_are_configurable():
     assert refuse_call("ApplyWorkload", AGENT, ("other-agent",)) is None
     assert refuse_call("ApplyWorkload", OPERATOR, ("persysctl",)) is not None
+    gateway = Caller.of("persys-gateway")
+    assert refuse_call("DrainNode", gateway, NAMES, ("persysctl", "persys-gateway")) is None
+    reason = refuse_call("DrainNode", OPERATOR, NAMES, ("persys-gateway",))
+    assert reason is not None
+    assert "SCHEDULER_OPERATOR_CERT_NAMES" in reason
+    assert refuse_call("Heartbeat", OPERATOR, NAMES, ("persys-gateway",)) is None
 
 
 E = NodeBinding.ENDPOINT
@@ -119,6 +146,14 @@ def test_name_binding(node_id, refused):
             assert reason.startswith("node_id")
 
 
+def test_moving_a_node_is_named_so_the_commit_can_check_it_is_lost():
+    assert moves_node(AGENT, E, host="10.0.0.5", registered_host="10.0.0.7")
+    assert not moves_node(AGENT, E, host="10.0.0.5", registered_host="::ffff:10.0.0.5")
+    assert not moves_node(AGENT, E, host="10.0.0.5", registered_host="::1")  # cert names both
+    assert not moves_node(AGENT, E, host="10.0.0.5", registered_host=None)
+    assert not moves_node(AGENT, NodeBinding.NAME, host="10.0.0.5", registered_host="10.0.0.7")
+
+
 def test_binding_off_allows_everything():
     assert refuse_registration(Caller(), NodeBinding.OFF, node_id="n", host="h",
                                registered_host="x", lost=False) is None
@@ -132,9 +167,7 @@ hosts = st.sampled_from(["10.0.0.1", "10.0.0.2", "a.example", "b.example", "::1"
        lost=st.booleans())
 def test_a_registration_never_moves_a_live_node_to_a_host_its_cert_does_not_hold(
         cert, host, registered, lost):
-    caller = Caller(common_name="compute-agent", hosts=cert,
-                    dns_names=frozenset(h for h in cert if ":" not in h and "." in h
-                                        and not h[0].isdigit()))
+    caller = Caller.of("compute-agent", cert)
     allowed = refuse_registration(caller, E, node_id="n", host=host, registered_host=registered,
                                   lost=lost) is None
     # allowed => the cert names the host it registers, and, unless the node is new or lost,
@@ -164,3 +197,7 @@ def test_settings_read_the_policy_and_name_a_bad_variable():
     assert settings.node_binding is NodeBinding.NAME
     with pytest.raises(ConfigError, match="SCHEDULER_NODE_BINDING"):
         load_settings({"SCHEDULER_NODE_BINDING": "strict"})
+    with pytest.raises(ConfigError, match="SCHEDULER_AGENT_CERT_NAMES"):
+        load_settings({"SCHEDULER_AGENT_CERT_NAMES": " , "})
+    assert load_settings({"SCHEDULER_OPERATOR_CERT_NAMES": "persysctl,persys-gateway"}
+                         ).operator_cert_names == ("persysctl", "persys-gateway")

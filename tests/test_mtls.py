@@ -43,6 +43,7 @@ class Pki:
         self.agent = self.ca.issue("compute-agent", names=("127.0.0.1",))
         self.agent_elsewhere = self.ca.issue("compute-agent", names=("10.1.2.3", "node-far"))
         self.operator = self.ca.issue("persysctl")
+        self.nameless = self.ca.issue("", names=("127.0.0.1",))
         self.stranger = self.stranger_ca.issue("compute-agent", names=("127.0.0.1",))
         # the scheduler's own files, which the reload test rewrites
         served = directory / "served"
@@ -179,6 +180,15 @@ async def test_an_agent_certificate_calls_only_agent_rpcs(pki, tls_scheduler):
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "agent certificate" in info.value.details()
     assert refused_count(sched, "ApplyWorkload") == before + 1
+    # a stream is refused the same way
+    with pytest.raises(grpc.aio.AioRpcError) as streamed:
+        async for _ in agent.WatchEvents(pb.WatchEventsRequest()):
+            pass
+    assert streamed.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # a certificate without a common name cannot be told from an agent's
+    with pytest.raises(grpc.aio.AioRpcError) as nameless:
+        await clients.stub(pki.nameless).ListNodes(pb.ListNodesRequest())
+    assert nameless.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # the refused ApplyWorkload left nothing behind
     operator = clients.stub(pki.operator)
     with pytest.raises(grpc.aio.AioRpcError) as missing:
@@ -248,10 +258,10 @@ async def test_an_agent_cannot_speak_for_another_node(pki, tls_scheduler):
         assert node.grpc_endpoint == "10.1.2.3:50051"
 
 
-async def test_name_binding_ties_the_node_id_to_the_certificate(
+async def test_name_binding_and_an_operator_list(
         pki, etcd_server, redis_server, key_root, stream_key):
     settings = tls_settings(pki, etcd_server, redis_server, key_root, stream_key,
-                            node_binding=NodeBinding.NAME)
+                            node_binding=NodeBinding.NAME, operator_cert_names=("persysctl",))
     async with running_scheduler(settings) as sched:
         clients = Clients(f"127.0.0.1:{sched.grpc_port}", pki)
         try:
@@ -266,6 +276,14 @@ async def test_name_binding_ties_the_node_id_to_the_certificate(
             assert other.reason.startswith("node_id")
             hb = await far.Heartbeat(pb.HeartbeatRequest(node_id="node-far"), timeout=5)
             assert hb.acknowledged
+            # with SCHEDULER_OPERATOR_CERT_NAMES set, other names are refused the operator RPCs
+            listed = await clients.stub(pki.operator).ListNodes(pb.ListNodesRequest(), timeout=5)
+            assert "node-far" in {n.node_id for n in listed.nodes}
+            gateway = clients.stub(pki.ca.issue("persys-gateway"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await gateway.ListNodes(pb.ListNodesRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "SCHEDULER_OPERATOR_CERT_NAMES" in info.value.details()
         finally:
             await clients.close()
 

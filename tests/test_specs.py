@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eventsource.records import WorkloadSpec
 from handlers.specs import InvalidSpec, agent_apply_request, parse_apply
 from proto.persys.control.v1 import control_pb2 as pb
 
@@ -142,10 +143,45 @@ def test_the_control_api_cloud_init_reaches_the_agent() -> None:
     (pb.ApplyWorkloadRequest(workload_id="c-1", spec=pb.WorkloadSpec(
         type="container", container=pb.ContainerSpec(image="x"),
         metadata={"persys.vm.password": "hunter2"})), "spec.metadata[persys.vm.password]"),
-], ids=["cloud-init", "vm-metadata", "request-metadata"])
+    (vm_request({"vcpus": 1, "memoryMb": 256, "cloud_init_config": {"password": "hunter2"}}),
+     "spec.metadata[persys.vm_spec_b64].cloudInitConfig.password"),
+    (vm_request({"vcpus": 1, "memoryMb": 256, "CloudInitConfig": {"Password": "hunter2"}}),
+     "spec.metadata[persys.vm_spec_b64].cloudInitConfig.password"),
+    (vm_request({"vcpus": 1, "memoryMb": 256, "Metadata": {"Persys.VM.Password": "hunter2"}}),
+     "spec.metadata[persys.vm_spec_b64].metadata[Persys.VM.Password]"),
+], ids=["cloud-init", "vm-metadata", "request-metadata", "snake-case", "capitalised",
+        "metadata-any-case"])
 def test_a_vm_password_is_refused_naming_the_field(request_: Any, field: str) -> None:
     with pytest.raises(InvalidSpec) as caught:
         parse_apply(request_, created_at="")
     assert str(caught.value).startswith(field)
     assert "hunter2" not in str(caught.value)
     assert "etcd" in str(caught.value)
+
+
+def test_the_gateways_snake_case_vm_spec_converts_like_the_camel_case_one() -> None:
+    camel = {"vcpus": 2, "memoryMb": 1024, "osImage": "debian", "diskGb": 10,
+             "cloudInitConfig": {"userData": "u", "sshPublicKey": "k"},
+             "disks": [{"device": "vdb", "sizeGb": 5, "backingFile": "/b"}],
+             "networks": [{"hostDevName": "eth0", "macAddress": "m"}],
+             "managedVolumes": [{"name": "data", "size_gb": 3, "mount_path": "/d"}]}
+    snake = {"vcpus": 2, "memory_mb": 1024, "os_image": "debian", "disk_gb": 10,
+             "cloud_init_config": {"user_data": "u", "ssh_public_key": "k"},
+             "disks": [{"device": "vdb", "size_gb": 5, "backing_file": "/b"}],
+             "networks": [{"host_dev_name": "eth0", "mac_address": "m"}],
+             "managed_volumes": [{"name": "data", "size_gb": 3, "mount_path": "/d"}],
+             "unknown_key": "dropped"}
+    assert _vm_agent_request(snake) == _vm_agent_request(camel)
+    v = _vm_agent_request(snake)
+    assert (v.memory_mb, v.disk_gb, v.cloud_init_config.ssh_public_key) == (1024, 10, "k")
+    assert v.managed_volumes[0].mount_path == "/d"
+
+
+def test_a_password_in_a_record_the_go_version_wrote_never_reaches_the_agent() -> None:
+    record = WorkloadSpec(id="old-vm", type="vm", vm={
+        "vcpus": 1, "memoryMb": 256, "metadata": {"persys.vm.password": "hunter2", "a": "b"},
+        "cloudInitConfig": {"password": "hunter2", "username": "ops"}})
+    v = agent_apply_request(record, {}, "Running").spec.vm
+    assert "hunter2" not in str(v)
+    assert v.metadata["a"] == "b"
+    assert v.cloud_init_config.username == "ops"
