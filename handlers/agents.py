@@ -2,9 +2,10 @@
 
 One ``grpc.aio`` channel per node, keyed by node id and endpoint, created on first use and reused
 for every later call (no TLS handshake per RPC). A channel is rebuilt when the node's endpoint
-changes, after a transport failure, or when the certificate files change; it is closed when the
-node leaves and on shutdown. Keepalive pings are at most every 300 s and only with calls in flight,
-because Go agents run grpc-go's default enforcement and answer ``too_many_pings`` otherwise.
+changes, after a transport failure, or when the certificate files change; a replaced channel is
+closed once its calls in flight have ended, and every channel on shutdown. Keepalive pings are at
+most every 300 s and only with calls in flight, because Go agents run grpc-go's default
+enforcement and answer ``too_many_pings`` otherwise.
 
 Every call carries ``x-persys-node-id`` (so an agent can refuse a call meant for another node),
 ``x-persys-instance-id`` and, when this replica leads, ``x-persys-leader-term``; every call has a
@@ -72,6 +73,10 @@ class _Entry:
     tls_stamp: tuple[float, ...]
     #: ListWorkloads without a response deserializer: the answer's bytes
     raw_list: Any
+    #: calls on this channel not yet answered
+    in_flight: int = 0
+    #: replaced (transport failure, new endpoint or certificate): closed once idle
+    retired: bool = False
 
 
 class AgentError(Exception):
@@ -104,16 +109,22 @@ class AgentPool:
         tls: TlsFiles | None,
         leader_term: Callable[[], int | None] = lambda: None,
         guard: Callable[[], None] = lambda: None,
+        delete_timeout: float | None = None,
     ) -> None:
         self.metrics = metrics
         self.instance_id = instance_id
         self.rpc_timeout = rpc_timeout
+        #: DeleteWorkload's deadline (``SCHEDULER_AGENT_DELETE_TIMEOUT``): stopping a VM takes
+        #: longer than a listing, and a deadline counts as "unreachable" and drops the channel
+        self.delete_timeout = delete_timeout
         self.tls = tls
         self.leader_term = leader_term
         self.guard = guard
         self._entries: dict[str, _Entry] = {}
         #: closes of channels replaced or dropped (close() is a coroutine)
         self._closing: set[asyncio.Task[None]] = set()
+        #: retired channels with calls still in flight, by id (closed on shutdown too)
+        self._retired: dict[int, _Entry] = {}
         #: (method, code) -> its labelled metric children: ``labels()`` costs microseconds
         #: and a cycle at 5,000 nodes records 5,000 calls
         self._recorders: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
@@ -153,17 +164,28 @@ class AgentPool:
         return entry
 
     def _drop(self, node_id: str) -> None:
+        """Retire the node's channel: the next call opens a new one, and this one is closed
+        once the calls still on it have ended. Closing it at once would cancel those calls
+        (grpc raises CancelledError in them): one apply's deadline would cancel a VM apply
+        still running on the same node, and a certificate rotation every call in flight."""
         entry = self._entries.pop(node_id, None)
         if entry is not None:
-            # close it now in an owned task: a flapping node must not pile up channels
-            task = asyncio.get_running_loop().create_task(entry.channel.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            entry.retired = True
+            if entry.in_flight == 0:
+                self._close_soon(entry)
+            else:
+                self._retired[id(entry)] = entry
+
+    def _close_soon(self, entry: _Entry) -> None:
+        self._retired.pop(id(entry), None)
+        # an owned task: a flapping node must not pile up channels
+        task = asyncio.get_running_loop().create_task(entry.channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def forget(self, node_id: str) -> None:
-        entry = self._entries.pop(node_id, None)
-        if entry is not None:
-            await entry.channel.close()
+        """The node left: its channel goes (once its last call has ended)."""
+        self._drop(node_id)
 
     def _metadata(self, node_id: str) -> list[tuple[str, str]]:
         md = [("x-persys-node-id", node_id), ("x-persys-instance-id", self.instance_id)]
@@ -193,16 +215,20 @@ class AgentPool:
         rpc = entry.raw_list if raw else getattr(entry.stub, method)
         started = time.perf_counter()
         code = grpc.StatusCode.OK
+        entry.in_flight += 1
         try:
             return await rpc(
                 request, timeout=timeout or self.rpc_timeout, metadata=self._metadata(node_id)
             )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            if code in UNREACHABLE_CODES:
+            if code in UNREACHABLE_CODES and self._entries.get(node_id) is entry:
                 self._drop(node_id)
             raise AgentError(method, code, exc.details() or "") from exc
         finally:
+            entry.in_flight -= 1
+            if entry.retired and entry.in_flight == 0:
+                self._close_soon(entry)
             self._record(method, code, time.perf_counter() - started)
 
     async def apply(self, node_id: str, endpoint: str, req: agent_pb2.ApplyWorkloadRequest,
@@ -217,7 +243,7 @@ class AgentPool:
                      *, leader_only: bool = False) -> agent_pb2.DeleteWorkloadResponse:
         resp: agent_pb2.DeleteWorkloadResponse = await self.call(
             node_id, endpoint, "DeleteWorkload", agent_pb2.DeleteWorkloadRequest(id=workload_id),
-            leader_only=leader_only,
+            timeout=self.delete_timeout, leader_only=leader_only,
         )
         return resp
 
@@ -245,7 +271,8 @@ class AgentPool:
 
     async def close(self) -> None:
         entries, self._entries = self._entries, {}
-        for entry in entries.values():
+        retired, self._retired = self._retired, {}
+        for entry in [*entries.values(), *retired.values()]:
             await entry.channel.close()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)

@@ -95,11 +95,16 @@ class Settings:
     agent_rpc_timeout_s: float = 10.0
     agent_apply_timeout_s: float = 45.0
     agent_vm_apply_timeout_s: float = 240.0
+    #: the deadline of an agent DeleteWorkload (the Go version polled for up to this long)
     agent_delete_timeout_s: float = 60.0
+    #: read for compatibility, unused: the Go version polled GetWorkloadStatus after a delete;
+    #: here the agent's DeleteWorkload answer is final
     agent_status_poll_interval_s: float = 1.0
     reconcile_interval_s: float = 5.0
     reconcile_concurrency: int = 64
     drift_detect_interval_s: float = 300.0
+    #: read for compatibility, unused: a node is unavailable once its liveness lease
+    #: (SCHEDULER_NODE_LEASE_TTL, also 3 min by default) expires, not by heartbeat age
     node_unavailable_grace_s: float = 180.0
     reapply_guard_s: float = 45.0
     heartbeat_interval_s: int = 60

@@ -20,6 +20,7 @@ from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, WorkloadStatus
 from handlers.agents import AgentError, AgentPool
+from handlers.retry import is_vm
 from handlers.specs import CONVERSION_ERRORS, agent_apply_request
 from handlers.state import NotFound, StateWriter
 from projections.cluster import ClusterProjection
@@ -41,6 +42,7 @@ class Dispatcher:
         layout: KeyLayout,
         concurrency: int = 64,
         apply_timeout: float = 45.0,
+        vm_apply_timeout: float = 240.0,
     ) -> None:
         self.pool = pool
         self.cluster = cluster
@@ -49,6 +51,8 @@ class Dispatcher:
         self.clock = clock
         self.layout = layout
         self.apply_timeout = apply_timeout
+        #: a VM's first apply creates and boots it: the reconcile loop's VM deadline
+        self.vm_apply_timeout = vm_apply_timeout
         self._sem = asyncio.Semaphore(concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -91,7 +95,9 @@ class Dispatcher:
                 return
             try:
                 response = await self.pool.apply(node_id, endpoint, request,
-                                                 timeout=self.apply_timeout,
+                                                 timeout=(self.vm_apply_timeout
+                                                          if is_vm(spec.type)
+                                                          else self.apply_timeout),
                                                  leader_only=leader_only)
             except AgentError as exc:
                 log.warning("agent apply failed workload_id=%s node_id=%s error=%s",

@@ -138,12 +138,14 @@ class Scheduler:
         )
         self.agents = AgentPool(self.metrics, instance_id=settings.instance_id,
                                 rpc_timeout=settings.agent_rpc_timeout_s, tls=tls,
-                                leader_term=lambda: self.leader.term, guard=self.leader.guard)
+                                leader_term=lambda: self.leader.term, guard=self.leader.guard,
+                                delete_timeout=settings.agent_delete_timeout_s)
         self.dispatcher = Dispatcher(pool=self.agents, cluster=self.cluster,
                                      committer=self.committer, writer=self.writer,
                                      clock=self.clock, layout=self.layout,
                                      concurrency=settings.reconcile_concurrency,
-                                     apply_timeout=settings.agent_apply_timeout_s)
+                                     apply_timeout=settings.agent_apply_timeout_s,
+                                     vm_apply_timeout=settings.agent_vm_apply_timeout_s)
         self.batcher = PlacementBatcher(self.committer, self.cluster, self.layout)
         self.workloads = WorkloadCommands(cluster=self.cluster, committer=self.committer,
                                           writer=self.writer, placer=self.placer,

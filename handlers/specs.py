@@ -159,6 +159,11 @@ def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> Pa
         if spec.WhichOneof("workload") != "container":
             raise InvalidSpec("spec.container", "required for type container")
         c = spec.container
+        if c.privileged:
+            # the agent's ContainerSpec has no such field: running it unprivileged instead
+            # would not be what was asked (the Go version dropped it, persys-facts I.24)
+            raise InvalidSpec("spec.container.privileged",
+                              "not supported: agents cannot run privileged containers")
         if not c.image.strip():
             raise InvalidSpec("spec.container.image", "required")
         record.image = c.image.strip()
@@ -186,11 +191,12 @@ def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> Pa
         cs = spec.compose
         source = (cs.source_type or ("git" if cs.git_repo else "inline")).lower()
         if source == "git":
-            if not cs.git_repo.strip():
-                raise InvalidSpec("spec.compose.git_repo", "required for source_type git")
-            record.git_repo = cs.git_repo.strip()
-            record.git_branch = cs.git_ref
-        elif source == "inline":
+            # the agent's ComposeSpec carries only the YAML: a git source would be committed
+            # and then fail every apply (the Go version did that, persys-facts I.24)
+            raise InvalidSpec("spec.compose.source_type",
+                              "git is not supported: agents take only the compose YAML; "
+                              "send it as inline_yaml")
+        if source == "inline":
             if not cs.inline_yaml.strip():
                 raise InvalidSpec("spec.compose.inline_yaml", "required for source_type inline")
             record.compose_yaml = cs.inline_yaml

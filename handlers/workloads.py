@@ -481,6 +481,15 @@ def persistence_class(spec: WorkloadSpec, metadata: dict[str, object]) -> str:
     for key, value in metadata.items():
         if ("host_path" in key or "bind_mount" in key) and str(value).strip():
             return "node-local"
+    # data on this node's disk: a container's host-path volumes, or a managed volume of the
+    # local driver (the Go version called these ephemeral and moved them away from their
+    # data, persys-facts I.20)
+    if spec.volumes:
+        return "node-local"
+    volumes = spec.managed_volumes or (spec.vm or {}).get("managedVolumes") or []
+    if any(isinstance(mv, dict) and canonical_driver(str(mv.get("driver", ""))) == "local"
+           for mv in volumes):
+        return "node-local"
     return "ephemeral"
 
 

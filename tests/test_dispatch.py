@@ -76,3 +76,58 @@ async def test_leader_apply_is_not_sent_after_leadership_is_lost(agent) -> None:
     finally:
         await dispatcher.aclose()
         await pool.close()
+
+
+class SlowAgent(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
+    """Answers applies and deletes after ``delay_s``, as a hypervisor creating a VM does."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.answered: list[str] = []
+
+    async def ApplyWorkload(self, request: Any, context: Any) -> agent_pb2.ApplyWorkloadResponse:
+        await asyncio.sleep(self.delay_s)  # allowed: the agent's latency, not a test waiting
+        self.answered.append(f"apply {request.id}")
+        return agent_pb2.ApplyWorkloadResponse(applied=True)
+
+    async def DeleteWorkload(self, request: Any, context: Any
+                             ) -> agent_pb2.DeleteWorkloadResponse:
+        await asyncio.sleep(self.delay_s)  # allowed: the agent's latency
+        self.answered.append(f"delete {request.id}")
+        return agent_pb2.DeleteWorkloadResponse(success=True)
+
+
+async def test_vm_applies_and_deletes_get_their_own_deadlines() -> None:
+    server = grpc.aio.server()
+    servicer = SlowAgent(delay_s=0.6)
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    pool = AgentPool(Metrics(), instance_id="r1", rpc_timeout=0.2, tls=None,
+                     delete_timeout=5.0)
+    node = Item(Node(node_id="n1", agent_endpoint=endpoint), 1, 1, 0)
+    cluster = SimpleNamespace(nodes=SimpleNamespace(get=lambda node_id: node))
+    recorded: list[str] = []
+    dispatcher = Dispatcher(pool=pool, cluster=cluster, committer=None,  # type: ignore[arg-type]
+                            writer=None, clock=SystemClock(),  # type: ignore[arg-type]
+                            layout=KeyLayout(""), apply_timeout=0.2, vm_apply_timeout=5.0)
+
+    async def record(spec: WorkloadSpec, node_id: str, *, error: str) -> None:
+        recorded.append(spec.id)
+
+    dispatcher._record_apply = record  # type: ignore[method-assign]
+    try:
+        dispatcher.apply(WorkloadSpec(id="vm-1", type="vm", vm={"vcpus": 1, "memoryMb": 64}),
+                         {}, "n1", "Running")
+        dispatcher.apply(WorkloadSpec(id="c-1", type="container", image="x"), {}, "n1",
+                         "Running")
+        await asyncio.gather(*list(dispatcher._tasks))
+        # the VM had the VM deadline; the container's 0.2 s passed before the agent answered
+        assert "apply vm-1" in servicer.answered
+        assert recorded == ["c-1"]
+        deleted = await pool.delete("n1", endpoint, "vm-1")
+        assert deleted.success
+    finally:
+        await dispatcher.aclose()
+        await pool.close()
+        await server.stop(None)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eventsource.records import WorkloadSpec
 from handlers.placement import NodeInfo, PlacementRequest, place, refusal
+from handlers.workloads import persistence_class
 
 TYPES = ("container", "compose", "vm")
 
@@ -132,3 +135,22 @@ def test_lanes_start_active_active_replicas_on_different_nodes():
     only = {f"n{i:03d}": (4000, 8192) for i in range(200) if i != 7}
     for lane in ((0, 2), (1, 2)):
         assert decide(REQ, nodes, allocated=only, sample=8, lane=lane).node_id == "n007"
+
+
+@pytest.mark.parametrize(("spec", "metadata", "expected"), [
+    (WorkloadSpec(id="w", type="container", image="x"), {}, "ephemeral"),
+    (WorkloadSpec(id="w", type="container", image="x", volumes=["/srv/db:/var/lib/db"]), {},
+     "node-local"),
+    (WorkloadSpec(id="w", type="container", image="x",
+                  managed_volumes=[{"name": "d", "driver": "local"}]), {}, "node-local"),
+    (WorkloadSpec(id="w", type="container", image="x",
+                  managed_volumes=[{"name": "d", "driver": "ceph-rbd"}]), {}, "ephemeral"),
+    (WorkloadSpec(id="w", type="container", image="x", volumes=["/srv:/srv"]),
+     {"persys.scheduling.persistence_class": "ephemeral"}, "ephemeral"),  # explicit wins
+    (WorkloadSpec(id="w", type="vm", vm={"vcpus": 1}), {}, "node-local"),
+    (WorkloadSpec(id="w", type="vm", vm={"vcpus": 1}), {"persys.storage.shared": "true"},
+     "shared-storage"),
+], ids=["plain", "host-path", "local-volume", "rbd-volume", "explicit", "vm", "vm-shared"])
+def test_persistence_class(spec, metadata, expected):
+    """Host-path and local volumes keep a workload with its data (the Go version moved it)."""
+    assert persistence_class(spec, metadata) == expected
