@@ -376,7 +376,7 @@ class Election:
         depends on the watch: the caller's range decides.
         """
         key = predecessor.key
-        watch = WatchStream(self._etcd.base_url, key, revision + 1)
+        watch = WatchStream(self._etcd.base_url, key, revision + 1, tls=self._etcd.tls)
         try:
             while True:
                 self._check_session()

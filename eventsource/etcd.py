@@ -24,6 +24,7 @@ from etcd3gw import exceptions as etcd_exc
 from etcd3gw.client import Etcd3Client
 
 from eventsource.errors import Compacted, LeaseLost, Unavailable
+from eventsource.etcdtls import EtcdTls
 from eventsource.keys import prefix_end
 from eventsource.lean_http import LeanSession
 
@@ -185,10 +186,10 @@ class TxnResult:
 # -- the client ----------------------------------------------------------------------------
 
 
-def parse_endpoint(endpoint: str) -> tuple[str, str, int]:
+def parse_endpoint(endpoint: str, default_protocol: str = "http") -> tuple[str, str, int]:
     """``host:port`` or ``http(s)://host:port`` -> (protocol, host, port)."""
     text = endpoint.strip()
-    protocol = "http"
+    protocol = default_protocol
     if "://" in text:
         protocol, text = text.split("://", 1)
     text = text.rstrip("/")
@@ -253,11 +254,15 @@ class AsyncEtcd:
         *,
         timeout: float = 5.0,
         max_workers: int = 16,
+        tls: EtcdTls | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is required")
         self.endpoints = [e.strip() for e in endpoints if e.strip()]
         self.timeout = timeout
+        #: client TLS (endpoints without a scheme are then https); watch streams use it too
+        self.tls = tls
+        self._default_protocol = "https" if tls is not None else "http"
         # Two lanes: this process's own sessions (leader, relay, DNS record) and its probe of
         # etcd's health never wait behind bulk work (a late keepalive costs leadership, a late
         # probe declares a healthy etcd down). Node liveness keepalives stay in the bulk lane:
@@ -282,7 +287,7 @@ class AsyncEtcd:
             self._local.clients = clients
         client = clients.get(index)
         if client is None:
-            protocol, host, port = parse_endpoint(self.endpoints[index])
+            protocol, host, port = parse_endpoint(self.endpoints[index], self._default_protocol)
             client = Etcd3Client(
                 host=host,
                 port=port,
@@ -303,13 +308,15 @@ class AsyncEtcd:
             self._local.sessions = sessions
         session = sessions.get(index)
         if session is None:
-            session = LeanSession(*parse_endpoint(self.endpoints[index]))
+            session = LeanSession(*parse_endpoint(self.endpoints[index], self._default_protocol),
+                                  tls=self.tls)
             sessions[index] = session
         return session
 
     @property
     def base_url(self) -> str:
-        protocol, host, port = parse_endpoint(self.endpoints[self._current])
+        protocol, host, port = parse_endpoint(self.endpoints[self._current],
+                                              self._default_protocol)
         return f"{protocol}://{host}:{port}"
 
     def _on_endpoints(self, path: str, call: Callable[[int], T]) -> T:

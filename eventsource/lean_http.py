@@ -20,6 +20,8 @@ from typing import Any
 
 import requests
 
+from eventsource.etcdtls import EtcdTls
+
 
 class LeanResponse:
     """The parts of ``requests.Response`` etcd3gw reads."""
@@ -42,10 +44,12 @@ class LeanResponse:
 class LeanSession:
     """``post(url, json=..., timeout=...)`` over one keep-alive connection to one endpoint."""
 
-    def __init__(self, protocol: str, host: str, port: int) -> None:
+    def __init__(self, protocol: str, host: str, port: int, *,
+                 tls: EtcdTls | None = None) -> None:
         self.protocol = protocol
         self.host = host
         self.port = port
+        self.tls = tls
         self._prefix = f"{protocol}://"
         self._conn: http.client.HTTPConnection | None = None
 
@@ -57,8 +61,13 @@ class LeanSession:
             conn = None
         if conn is None:
             if self.protocol == "https":
+                try:
+                    context = (self.tls.ssl_context() if self.tls is not None
+                               else ssl.create_default_context())
+                except (OSError, ssl.SSLError) as exc:  # unreadable or mismatched files
+                    raise requests.exceptions.SSLError(f"etcd tls files: {exc}") from exc
                 conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                                   context=ssl.create_default_context())
+                                                   context=context)
             else:
                 conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
             self._conn = conn

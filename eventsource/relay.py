@@ -542,7 +542,8 @@ class Relay:
         after = listed
         while True:
             watch = WatchStream(
-                self._etcd.base_url, self._layout.outbox_prefix, after + 1, no_delete=True
+                self._etcd.base_url, self._layout.outbox_prefix, after + 1, no_delete=True,
+                tls=self._etcd.tls,
             )
             try:
                 iterator = aiter(watch)

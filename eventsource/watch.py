@@ -28,6 +28,7 @@ import requests
 
 from eventsource.errors import Compacted, Unavailable, WatchCanceled
 from eventsource.etcd import KeyValue, b64
+from eventsource.etcdtls import EtcdTls
 from eventsource.keys import prefix_end
 
 log = logging.getLogger("persys.watch")
@@ -68,6 +69,7 @@ class WatchStream:
         connect_timeout: float = 3.0,
         no_delete: bool = False,
         queue_max: int = 10_000,
+        tls: EtcdTls | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.prefix = prefix
@@ -85,6 +87,10 @@ class WatchStream:
         self._response: requests.Response | None = None
         self._session = requests.Session()
         self._session.trust_env = False
+        if tls is not None:
+            options = tls.requests_options()
+            self._session.verify = options["verify"]
+            self._session.cert = options["cert"]
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-watch:{prefix}", daemon=True
         )

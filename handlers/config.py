@@ -8,6 +8,7 @@ process refuses to start. Durations accept a Go duration string (``1m30s``) or i
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import uuid
@@ -15,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from eventsource.etcdtls import EtcdTls
 from handlers.authz import DEFAULT_AGENT_CERT_NAMES, NodeBinding
 
 
@@ -68,6 +70,10 @@ class Settings:
     etcd_endpoints: tuple[str, ...] = ("localhost:2379",)
     etcd_timeout_s: float = 5.0
     etcd_root: str = ""
+    #: client TLS for etcd (SCHEDULER_ETCD_CA/_CERT/_KEY; the Go version had none)
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
     domain: str = "persys.local"
     agents_discovery_domain: str = "agents.persys.cloud"
     shard_key: str = "genesis"
@@ -127,6 +133,13 @@ class Settings:
     instance_id: str = field(default_factory=default_instance_id)
     log_level: str = "info"
     log_format: str = "json"
+
+    @property
+    def etcd_tls(self) -> EtcdTls | None:
+        """None unless one of the etcd TLS files is set (then endpoints default to https)."""
+        if not (self.etcd_ca or self.etcd_cert or self.etcd_key):
+            return None
+        return EtcdTls(self.etcd_ca, self.etcd_cert, self.etcd_key)
 
     @property
     def active_active(self) -> bool:
@@ -206,9 +219,30 @@ class _Reader:
         raise ConfigError(f"{name}: {value!r} is not a boolean (true/false)")
 
 
+def _etcd_tls_files(r: _Reader) -> tuple[str, str, str]:
+    files = (r.text("SCHEDULER_ETCD_CA", ""), r.text("SCHEDULER_ETCD_CERT", ""),
+             r.text("SCHEDULER_ETCD_KEY", ""))
+    if bool(files[1]) != bool(files[2]):
+        raise ConfigError("SCHEDULER_ETCD_CERT/SCHEDULER_ETCD_KEY: a client certificate needs "
+                          "both files")
+    for name, path in zip(("SCHEDULER_ETCD_CA", "SCHEDULER_ETCD_CERT", "SCHEDULER_ETCD_KEY"),
+                          files, strict=True):
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"{name}: {path!r} is not a readable file")
+    return files
+
+
+def etcd_tls_from_env(env: Mapping[str, str]) -> EtcdTls | None:
+    """The etcd client TLS of ``SCHEDULER_ETCD_CA/_CERT/_KEY`` (for the ops commands that
+    take ``--etcd``), or None; raises ``ConfigError`` naming the variable."""
+    files = _etcd_tls_files(_Reader(env))
+    return EtcdTls(*files) if any(files) else None
+
+
 def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings:
     """Read and validate every setting; raises ``ConfigError`` naming the variable."""
     r = _Reader(env)
+    etcd_files = _etcd_tls_files(r)
     grpc_port = r.integer("GRPC_PORT", 8085, minimum=1, maximum=65535)
     endpoints = tuple(e.strip() for e in r.text("ETCD_ENDPOINTS", "localhost:2379").split(","))
     if not endpoints or any(not e for e in endpoints):
@@ -254,6 +288,9 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         etcd_endpoints=endpoints,
         etcd_timeout_s=r.duration("SCHEDULER_ETCD_TIMEOUT", 5.0, allow_zero=False),
         etcd_root=r.text("SCHEDULER_ETCD_ROOT", ""),
+        etcd_ca=etcd_files[0],
+        etcd_cert=etcd_files[1],
+        etcd_key=etcd_files[2],
         domain=r.text("DOMAIN", "persys.local"),
         agents_discovery_domain=r.text("AGENTS_DISCOVERY_DOMAIN", "agents.persys.cloud"),
         shard_key=r.text("SCHEDULER_SHARD_KEY", "genesis"),

@@ -116,7 +116,7 @@ class Scheduler:
         self.metrics = Metrics()
         self.layout = KeyLayout(settings.etcd_root)
         self.etcd = AsyncEtcd(settings.etcd_endpoints, timeout=settings.etcd_timeout_s,
-                              max_workers=16)
+                              max_workers=16, tls=settings.etcd_tls)
         self.mode = ModeState(self.clock.now())
         self.cluster = ClusterProjection(self.etcd, self.layout, self.metrics)
         self.committer = Committer(self.etcd, self.layout, self.metrics,

@@ -19,6 +19,7 @@ import sys
 from eventsource.errors import StoreError
 from eventsource.etcd import AsyncEtcd, Compare, Delete
 from eventsource.keys import KeyLayout
+from handlers.config import ConfigError, etcd_tls_from_env
 from handlers.supervisor import has_state
 
 
@@ -48,7 +49,12 @@ async def confirm_empty_state(etcd: AsyncEtcd, layout: KeyLayout) -> tuple[int, 
 
 
 async def _run(args: argparse.Namespace) -> int:
-    etcd = AsyncEtcd([e for e in args.etcd.split(",") if e.strip()])
+    try:
+        tls = etcd_tls_from_env(os.environ)
+    except ConfigError as exc:
+        print(f"confirm-empty-state: {exc}", file=sys.stderr)
+        return 2
+    etcd = AsyncEtcd([e for e in args.etcd.split(",") if e.strip()], tls=tls)
     try:
         code, message = await confirm_empty_state(etcd, KeyLayout(args.root))
     except StoreError as exc:

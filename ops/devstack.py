@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+
+from eventsource.etcdtls import EtcdTls
 
 __all__ = [
     "EtcdError",
@@ -414,10 +417,15 @@ class EtcdProcess(_ServerProcess):
         fast: bool = False,
         extra_args: Sequence[str] = (),
         stop_timeout: float = 10.0,
+        tls: EtcdTls | None = None,
     ) -> None:
         super().__init__(binary or find_etcd_binary(), stop_timeout=stop_timeout)
         #: Whether ``--unsafe-no-fsync`` was requested.
         self.fast = fast
+        #: With TLS the client URL is https, clients must present a certificate signed by
+        #: ``tls.ca`` (``--client-cert-auth``), and ``tls.cert`` serves as the member's
+        #: certificate and as the client certificate of this object's own probes.
+        self.tls = tls
         #: Extra flags appended verbatim.
         self.extra_args = tuple(extra_args)
         self.client_port = 0
@@ -438,8 +446,11 @@ class EtcdProcess(_ServerProcess):
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT`` (the JSON gateway lives under ``/v3/``)."""
-        return f"http://{self.endpoint}"
+        """``http(s)://127.0.0.1:PORT`` (the JSON gateway lives under ``/v3/``)."""
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
+    def _context(self) -> ssl.SSLContext | None:
+        return self.tls.ssl_context() if self.tls is not None else None
 
     @property
     def peer_url(self) -> str:
@@ -469,7 +480,7 @@ class EtcdProcess(_ServerProcess):
 
     def _args(self) -> list[str]:
         assert self.data_dir is not None
-        client = f"http://{self.host}:{self.client_port}"
+        client = self.url
         peer = self.peer_url
         wanted: list[tuple[str, str | None]] = [
             ("name", "default"),
@@ -488,6 +499,9 @@ class EtcdProcess(_ServerProcess):
             ("log-level", "error"),
             ("log-outputs", "stderr"),
         ]
+        if self.tls is not None:
+            wanted += [("cert-file", self.tls.cert), ("key-file", self.tls.key),
+                       ("trusted-ca-file", self.tls.ca), ("client-cert-auth", "true")]
         supported = self._supported_flags()
         args: list[str] = []
         dropped: list[str] = []
@@ -586,7 +600,8 @@ class EtcdProcess(_ServerProcess):
 
     def _healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5) as resp:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=0.5,
+                                        context=self._context()) as resp:
                 body = json.loads(resp.read() or b"{}")
         except (OSError, ValueError):
             # URLError, connection refused/reset, timeouts and HTTP 503 are all OSErrors.
@@ -597,7 +612,8 @@ class EtcdProcess(_ServerProcess):
         # /health cannot tell which etcd answered: a foreign server on a port picked a moment ago
         # would look healthy. Our member is the one advertising our (unique) peer URL.
         try:
-            reply = _etcd_post(self.url, "/v3/cluster/member/list", {}, timeout=2.0)
+            reply = _etcd_post(self.url, "/v3/cluster/member/list", {}, timeout=2.0,
+                               context=self._context())
         except (OSError, ValueError, EtcdError):
             return False
         members = reply.get("members") or []
@@ -791,7 +807,8 @@ class RedisProcess(_ServerProcess):
 # --------------------------------------------------------------------------------------------
 
 
-def _etcd_post(url: str, path: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+def _etcd_post(url: str, path: str, body: dict[str, Any], *, timeout: float,
+               context: ssl.SSLContext | None = None) -> dict[str, Any]:
     request = urllib.request.Request(
         f"{url.rstrip('/')}{path}",
         data=json.dumps(body).encode(),
@@ -799,7 +816,7 @@ def _etcd_post(url: str, path: str, body: dict[str, Any], *, timeout: float) -> 
         method="POST",
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
             payload = resp.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode("utf-8", errors="replace")

@@ -24,6 +24,7 @@ from eventsource.etcd import AsyncEtcd
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.stream import RedisEventLog, writer_client
+from handlers.config import ConfigError, etcd_tls_from_env
 from projections.cluster import ClusterProjection
 from projections.event_views import EventView
 
@@ -97,7 +98,12 @@ def check_invariants(cluster: ClusterProjection) -> list[str]:
 
 async def replay(args: argparse.Namespace) -> int:
     endpoints = [e for e in args.etcd.split(",") if e.strip()]
-    etcd = AsyncEtcd(endpoints)
+    try:
+        tls = etcd_tls_from_env(os.environ)
+    except ConfigError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
+    etcd = AsyncEtcd(endpoints, tls=tls)
     layout = KeyLayout(args.root)
     try:
         cluster = await rebuild_cluster(etcd, layout, args.revision)

@@ -272,7 +272,7 @@ class ClusterProjection:
                     await self.relist()
                     need_list = False
                 revision = min(p.revision for p in self.projections)
-                stream = WatchStream(self.etcd.base_url, root, revision + 1)
+                stream = WatchStream(self.etcd.base_url, root, revision + 1, tls=self.etcd.tls)
                 try:
                     async for batch in stream:
                         self.apply(batch)

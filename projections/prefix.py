@@ -220,6 +220,7 @@ class PrefixProjection(Generic[R]):
                     self.prefix,
                     self.revision + 1,
                     read_timeout=self._watch_read_timeout,
+                    tls=self.etcd.tls,
                 )
                 try:
                     async for batch in stream:
