@@ -38,8 +38,7 @@ from projections.cluster import ClusterProjection
 
 log = logging.getLogger("persys.batcher")
 
-#: puts per intent (spec, status, assignment, one event) and per node (allocation)
-INTENT_OPS = 4
+#: puts per node (allocation); an intent costs its own puts and events
 NODE_OPS = 1
 #: room left in a batch's bytes for its allocation records (one per node, a few KB each)
 ALLOCATION_MARGIN = 64 * 1024
@@ -63,6 +62,15 @@ class Intent:
         """Bytes this intent adds to a transaction (counted as GroupCommit counts a change)."""
         return change_bytes(self.puts, len(self.events))
 
+    def ops(self) -> int:
+        """Writes this intent adds to a transaction (each event is an outbox put)."""
+        return len(self.puts) + len(self.events)
+
+    def keys(self) -> set[str]:
+        """The keys it compares: two intents comparing one key (a disk two workloads want)
+        never share a transaction, where both compares would pass before either write."""
+        return {c.key for c in self.compares}
+
 
 class PlacementBatcher:
     def __init__(self, committer: Committer, cluster: ClusterProjection, layout: KeyLayout, *,
@@ -74,6 +82,8 @@ class PlacementBatcher:
         self._pump: BatchPump[Intent] = BatchPump(max_inflight=max_inflight, take=self._take,
                                                   send=self._flush)
         self._busy: set[str] = set()
+        #: keys compared by intents of batches in flight (see ``Intent.keys``)
+        self._busy_keys: set[str] = set()
         #: node id -> (allocation, mod revision) of this batcher's newest commit
         self._committed: dict[str, tuple[Allocation, int]] = {}
         #: batches committed and intents per batch (for metrics and tests)
@@ -91,6 +101,7 @@ class PlacementBatcher:
         batch: list[Intent] = []
         nodes: set[str] = set()
         workloads: set[str] = set()
+        keys: set[str] = set()
         ops = 0
         size = 0
         kept: deque[Intent] = deque()
@@ -98,11 +109,13 @@ class PlacementBatcher:
             intent = queue.popleft()
             if intent.future.done():
                 continue
-            if intent.node_id in self._busy or intent.workload_id in workloads:
+            intent_keys = intent.keys()
+            if intent.node_id in self._busy or intent.workload_id in workloads or (
+                    intent_keys & keys) or (intent_keys & self._busy_keys):
                 # a duplicate id (a client retry) would put the same keys twice in one txn
                 kept.append(intent)
                 continue
-            cost = INTENT_OPS + (0 if intent.node_id in nodes else NODE_OPS)
+            cost = intent.ops() + (0 if intent.node_id in nodes else NODE_OPS)
             intent_bytes = intent.size()
             # an etcd request has a size limit: large specs go in smaller batches (a single
             # intent always goes, ApplyWorkload bounds its spec)
@@ -113,10 +126,12 @@ class PlacementBatcher:
             batch.append(intent)
             nodes.add(intent.node_id)
             workloads.add(intent.workload_id)
+            keys |= intent_keys
             ops += cost
             size += intent_bytes
         queue.extend(kept)
         self._busy |= nodes
+        self._busy_keys |= keys
         return batch
 
     def _base(self, node_id: str) -> tuple[Allocation, int]:
@@ -210,6 +225,8 @@ class PlacementBatcher:
             for intent in original:
                 settle(intent.future, error=StoreError("placement not committed"))
             self._busy -= nodes
+            for intent in original:
+                self._busy_keys -= intent.keys()
             self._forget_stale()
 
     def _forget_stale(self) -> None:

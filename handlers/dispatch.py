@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 from typing import Any
 
 from eventsource.clock import Clock
-from eventsource.commit import Committer, retry_on_conflict
+from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, NotLeader, StoreError
-from eventsource.events import Event
+from eventsource.etcd import Compare, Put
+from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, WorkloadStatus
 from handlers.agents import AgentError, AgentPool
+from handlers.diskattach import detached, disk_ids_in_spec, load_disks
 from handlers.retry import is_vm
 from handlers.specs import CONVERSION_ERRORS, agent_apply_request
 from handlers.state import NotFound, StateWriter
@@ -206,6 +209,7 @@ class Dispatcher:
                 event=Event(type="WorkloadDeleted", workload_id=workload_id, node_id=node_id,
                             reason="Workload state removed", timestamp=self.clock.now()),
             )
+            await self._detach_disks(change, spec_item.value)
             try:
                 await self.committer.commit(change, fenced=fenced)
             except Conflict as exc:
@@ -216,6 +220,24 @@ class Dispatcher:
             return True
 
         return await retry_on_conflict(attempt)
+
+    async def _detach_disks(self, change: Change, spec: WorkloadSpec) -> None:
+        """Release the workload's standalone disks in its finalising transaction (a disk
+        deleted meanwhile, with force, is skipped)."""
+        volumes = spec.managed_volumes or (spec.vm or {}).get("managedVolumes") or []
+        disk_ids = disk_ids_in_spec(volumes)
+        if not disk_ids:
+            return
+        now = rfc3339(self.clock.now())
+        for disk_id, entry in (await load_disks(self.committer.etcd, self.layout,
+                                                disk_ids)).items():
+            if entry is None:
+                continue
+            record, mod = entry
+            key = self.layout.volume(disk_id)
+            change.compares.append(Compare.mod(key, mod))
+            change.puts.append(Put(key, json.dumps(detached(record, spec.id, now)).encode(),
+                                   category="other"))
 
     async def aclose(self) -> None:
         tasks = list(self._tasks)

@@ -86,6 +86,8 @@ class PlacementRequest:
     selector: Mapping[str, str] = field(default_factory=dict)
     required_drivers: frozenset[str] = frozenset()
     exclude: frozenset[str] = frozenset()
+    #: when set, the only nodes allowed: a local disk the workload uses lives there
+    only: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,8 @@ def refusal(
     """Why ``node`` cannot take ``req``, or None when it can."""
     if node.node_id in req.exclude:
         return "excluded"
+    if req.only and node.node_id not in req.only:
+        return "a local disk of the workload is on another node"
     if node.status.lower() not in READY_STATUSES:
         return f"status {node.status or 'unknown'}"
     if node.node_id not in alive:
@@ -209,6 +213,8 @@ def place(
     parts of the node list: active-active replicas sample different nodes first, so their
     concurrent placements rarely meet at one allocation's compare-and-swap.
     """
+    if req.only:  # pinned by a local disk: look at its node only
+        nodes = [node for node in nodes if node.node_id in req.only]
     n = len(nodes)
     if n == 0:
         return PlacementDecision(None)

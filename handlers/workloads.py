@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
@@ -33,11 +34,13 @@ from eventsource.records import (
     encode,
 )
 from handlers.batcher import Intent, PlacementBatcher
+from handlers.diskattach import FIELD as DISK_FIELD
+from handlers.diskattach import disk_ids_in_spec, disk_ids_of, load_disks, plan_attach
 from handlers.dispatch import Dispatcher
 from handlers.modes import ModeState
 from handlers.placement import PlacementRequest, canonical_driver
 from handlers.placer import Placer
-from handlers.specs import ParsedApply, compute_revision, request_of
+from handlers.specs import InvalidSpec, ParsedApply, compute_revision, request_of
 from handlers.state import NotFound, StateWriter
 from projections.cluster import ClusterProjection
 
@@ -164,14 +167,19 @@ class WorkloadCommands:
         return True
 
     def _place(self, spec: WorkloadSpec, status: WorkloadStatus, *, exclude: frozenset[str]
-               = frozenset()) -> _Placed | Outcome:
+               = frozenset(), only: str = "") -> _Placed | Outcome:
         cpu_m, mem_mb = request_of(spec)
         req = PlacementRequest(
             workload_id=spec.id, workload_type=spec.type, cpu_m=cpu_m, mem_mb=mem_mb,
             selector=dict(spec.labels), required_drivers=required_drivers(spec), exclude=exclude,
+            only=frozenset({only}) if only else frozenset(),
         )
         decision = self.placer.decide(req)
         if decision.node_id is None:
+            if only:
+                return Outcome(False, "INSUFFICIENT_RESOURCES",
+                               f"its local disk is on node {only!r}, which cannot take it: "
+                               f"{decision.reason or 'node not found'}")
             return Outcome(False, "INSUFFICIENT_RESOURCES", decision.reason)
         node_id = decision.node_id
         node_item = self.cluster.nodes.get(node_id)
@@ -214,6 +222,15 @@ class WorkloadCommands:
     async def _create(self, parsed: ParsedApply) -> Outcome:
         assert parsed.spec is not None
         spec = copy.deepcopy(parsed.spec)
+        disk_ids = disk_ids_of(parsed.metadata, spec.vm)
+        disks = None
+        if disk_ids:
+            try:
+                disks = plan_attach(spec.id, disk_ids, await load_disks(
+                    self.committer.etcd, self.layout, disk_ids))
+            except InvalidSpec as exc:
+                return Outcome(False, "INVALID_SPEC", str(exc))
+            _add_volumes(spec, disks.volumes())
         if not spec.revision_id:
             spec.revision_id = compute_revision(spec)
         now = self._now()
@@ -222,18 +239,20 @@ class WorkloadCommands:
             status_info=StatusInfo(actual_state="Pending", last_updated=now),
             metadata={**parsed.metadata, "created_at": now, "last_action": "Created"},
         )
-        placed = self._place(spec, status)
+        placed = self._place(spec, status, only=disks.node_id if disks else "")
         if isinstance(placed, Outcome):
             return placed
         mark_apply_requested(placed.status, spec, now)
         cpu_m, mem_mb = request_of(spec)
+        disk_compares, disk_puts = (disks.writes(self.layout, spec.id, placed.node_id, now)
+                                    if disks else ([], []))
         intent = Intent(
             workload_id=spec.id, node_id=placed.node_id, cpu_m=cpu_m, mem_mb=mem_mb,
             compares=[Compare.absent(self.layout.spec(spec.id)),
-                      Compare.absent(self.layout.status(spec.id))],
+                      Compare.absent(self.layout.status(spec.id)), *disk_compares],
             puts=[Put(self.layout.spec(spec.id), encode(spec), category="spec"),
                   Put(self.layout.status(spec.id), encode(placed.status), category="status"),
-                  *(p for p in placed.change.puts if p.category == "assignment")],
+                  *(p for p in placed.change.puts if p.category == "assignment"), *disk_puts],
             events=[Event(type="WorkloadScheduled", workload_id=spec.id,
                           node_id=placed.node_id, reason="Workload created",
                           details={"revision_id": spec.revision_id},
@@ -288,6 +307,12 @@ class WorkloadCommands:
                                 timestamp=self.clock.now()))
         else:
             new = copy.deepcopy(parsed.spec)
+            kept_disks = _disk_volumes(old_spec)
+            if disk_ids_of(parsed.metadata, new.vm) != disk_ids_in_spec(kept_disks):
+                return Outcome(False, "INVALID_SPEC",
+                               f"{DISK_FIELD}: the disks of an existing workload cannot change "
+                               "(apply a new workload)")
+            _add_volumes(new, kept_disks)
             new.created_at = old_spec.created_at or new.created_at
             new.extra = dict(old_spec.extra or {})
             if not new.revision_id:
@@ -458,6 +483,24 @@ def delete_workload_change(
     if event is not None:
         change.events.append(event)
     return change
+
+
+def _disk_volumes(spec: WorkloadSpec) -> list[dict[str, Any]]:
+    """The managed volumes a stored spec got from standalone disks."""
+    volumes = spec.managed_volumes or (spec.vm or {}).get("managedVolumes") or []
+    return [v for v in volumes if isinstance(v, dict) and v.get("disk_id")]
+
+
+def _add_volumes(spec: WorkloadSpec, volumes: list[dict[str, Any]]) -> None:
+    """Append managed volumes where the agent request takes them from (a VM's own list)."""
+    if not volumes:
+        return
+    if spec.type in ("vm", "microvm"):
+        vm = dict(spec.vm or {})
+        vm["managedVolumes"] = [*(vm.get("managedVolumes") or []), *volumes]
+        spec.vm = vm
+    else:
+        spec.managed_volumes = [*spec.managed_volumes, *volumes]
 
 
 TRUTHY = frozenset({"true", "1", "yes"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from eventsource.etcd import Put
+from eventsource.etcd import Compare, Put
 from eventsource.group import MAX_GROUP_BYTES
 from handlers.batcher import Intent, PlacementBatcher
 
@@ -39,3 +39,23 @@ async def test_large_intents_are_split_to_fit_one_request() -> None:
                    intent(10, node="n10", value_bytes=10)])
     assert [i.workload_id for i in b._take(alone)] == ["w9"]
     assert [i.workload_id for i in alone] == ["w10"]
+
+
+async def test_intents_comparing_one_key_never_share_a_batch() -> None:
+    """Two workloads wanting one disk: in one transaction both compares would pass."""
+    disk = Compare.mod("/volumes/disk-1", 7)
+    queue = deque(intent(i, node=f"n{i}", value_bytes=10) for i in range(3))
+    queue[0].compares.append(disk)
+    queue[2].compares.append(disk)
+    b = batcher()
+    assert [i.workload_id for i in b._take(queue)] == ["w0", "w1"]
+    # nor a batch in flight: w2 waits until w0's batch is done
+    assert b._take(queue) == []
+    b._busy_keys -= queue[0].keys()  # what _flush does when w0's batch ends
+    assert [i.workload_id for i in b._take(queue)] == ["w2"]
+
+
+async def test_an_intent_costs_its_own_writes() -> None:
+    many = Intent(workload_id="w", node_id="n", cpu_m=1, mem_mb=1, compares=[],
+                  puts=[Put(f"/k{i}", b"v") for i in range(5)], events=[object()] * 2)  # type: ignore[list-item]
+    assert many.ops() == 7
