@@ -234,15 +234,22 @@ def writer_client(
     connect_timeout: float = 5.0,
     max_connections: int = 16,
 ) -> aioredis.Redis:
-    """A command client that never retries (a retried XADD could duplicate an append)."""
-    return aioredis.Redis.from_url(
+    """A command client that never retries (a retried XADD could duplicate an append).
+
+    Its pool makes a caller wait (up to ``connect_timeout``) for one of ``max_connections``
+    instead of failing at once: 100 WatchEvents clients opening together each read the
+    stream's top, and the default pool answered the 17th with MaxConnectionsError.
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
         retry=None,
         socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
         max_connections=max_connections,
+        timeout=connect_timeout,
         decode_responses=True,
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def tailer_client(url: str, *, block_s: float = MAX_BLOCK_S) -> aioredis.Redis:

@@ -319,3 +319,18 @@ async def append_ok(log: RedisEventLog, batch: list[tuple[str, str]]) -> bool:
     except RedisUnavailable:
         return False
     return True
+
+
+async def test_more_readers_than_connections_wait_for_one(redis_server, stream_key) -> None:
+    """100 WatchEvents opening together each read the top; none may fail for want of a
+    connection (the default pool raised MaxConnectionsError on the 17th)."""
+    client = writer_client(redis_server.url, max_connections=2)
+    log = RedisEventLog(client, stream_key)
+    try:
+        await log.append_batch(chain(["5-0"]), maxlen=1000)
+        tops = await asyncio.gather(*(log.top() for _ in range(40)))
+        assert {t.stream_id for t in tops if t is not None} == {"5-0"}
+        assert len(tops) == 40
+    finally:
+        await client.delete(stream_key)
+        await client.aclose()
