@@ -1023,14 +1023,17 @@ class NodeMonitor(_Shell):
         item = self.cluster.nodes.get(node_id)
         if item is None or item.value.status != NOT_READY:
             return False
+        # the record lives under the shard key of the replica the node registered through
+        shards = {item.value.labels.get("scheduler_shard") or self.settings.shard_key,
+                  self.settings.shard_key}
         change = Change(
             kind="monitor",
             compares=[Compare.mod(self.layout.node(node_id), item.mod_revision)],
             deletes=[Delete(self.layout.node(node_id), category="node"),
                      Delete(self.layout.node_status(node_id), category="node"),
-                     Delete(self.layout.skydns(self.settings.agents_discovery_domain,
-                                               self.settings.shard_key, node_id),
-                            category="dns")],
+                     *(Delete(self.layout.skydns(self.settings.agents_discovery_domain,
+                                                 shard, node_id), category="dns")
+                       for shard in sorted(shards))],
             events=[Event(type="NodeLeft", node_id=node_id, timestamp=now,
                           reason=f"NotReady for longer than {self.settings.node_gc_after_s:.0f}s",
                           details={"status": "Removed"})])

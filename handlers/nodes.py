@@ -26,7 +26,7 @@ from typing import Any
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, LeaseLost, StoreError
-from eventsource.etcd import BULK, AsyncEtcd, Compare, Put
+from eventsource.etcd import BULK, AsyncEtcd, Compare, Delete, Put
 from eventsource.events import Event, rfc3339
 from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
@@ -244,6 +244,13 @@ class NodeCommands:
                         json.dumps({"host": node.ip_address, "ttl": 300}).encode(),
                         category="dns"),
                 ]
+                old_shard = previous.labels.get("scheduler_shard", "") if previous else ""
+                if old_shard and old_shard != self.settings.shard_key:
+                    # registered through a replica of another shard key before: its record
+                    # there would stay behind, answering for this node forever
+                    change.deletes.append(Delete(self.layout.skydns(
+                        self.settings.agents_discovery_domain, old_shard, node_id),
+                        category="dns"))
             if joined:
                 change.events.append(Event(
                     type="NodeJoined", node_id=node_id,

@@ -9,6 +9,8 @@ import dns.resolver
 import pytest
 
 from ops.coredns import CoreDnsProcess, build_coredns, find_coredns_binary
+from proto.persys.control.v1 import control_pb2 as pb
+from tests.fixtures.harness import control_stub, make_settings, running_scheduler
 from tests.fixtures.replicas import ReplicaSet
 from tests.fixtures.waiting import wait_for_sync
 
@@ -74,3 +76,23 @@ def test_each_replica_has_its_own_records_and_a_killed_one_disappears(
                       message="a cleanly stopped replica removes its records")
     finally:
         replicas.stop_all()
+
+
+async def test_a_node_registering_through_another_shard_key_leaves_no_old_record(
+        etcd_server, redis_server, key_root, stream_key):
+    """Replicas with different SCHEDULER_SHARD_KEYs write a node's agent record under their
+    own key; moving to another leaves no stale record answering for the node."""
+    caps = pb.NodeCapabilities(cpu_total_millicores=1000, memory_total_mb=1024)
+    request = pb.RegisterNodeRequest(node_id="roamer", grpc_endpoint="127.0.0.1:9",
+                                     capabilities=caps)
+    keys = []
+    for shard in ("shard-a", "shard-b"):
+        settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                                 shard_key=shard)
+        async with running_scheduler(settings) as sched, control_stub(
+                f"127.0.0.1:{sched.grpc_port}") as stub:
+            assert (await stub.RegisterNode(request)).accepted
+            keys.append(sched.layout.skydns(settings.agents_discovery_domain, shard, "roamer"))
+            assert await sched.etcd.get(keys[-1]) is not None
+            if len(keys) == 2:
+                assert await sched.etcd.get(keys[0]) is None

@@ -709,6 +709,16 @@ async def test_long_not_ready_node_is_removed(etcd_server, redis_server, key_roo
         await victim.crash()
         await wait_for(lambda: s.sched.cluster.nodes.get(victim.node_id).value.status  # type: ignore[union-attr]
                        == "NotReady", timeout=20)
+        # registered through a replica of another shard key: its DNS record lives there
+        other = s.sched.layout.skydns(settings.agents_discovery_domain, "other-shard",
+                                      victim.node_id)
+        await s.sched.etcd.txn([], [Put(other, b'{"host": "127.0.0.1"}')])
+
+        def relabel(node: Any) -> list[Any]:
+            node.labels["scheduler_shard"] = "other-shard"
+            return []
+
+        await s.sched.writer.update_node(victim.node_id, relabel)
         monitor = s.loops.monitor
 
         async def monitor_at(seconds: float) -> Any:
@@ -726,6 +736,7 @@ async def test_long_not_ready_node_is_removed(etcd_server, redis_server, key_roo
         skydns = s.sched.layout.skydns(settings.agents_discovery_domain, settings.shard_key,
                                        victim.node_id)
         assert await s.sched.etcd.get(skydns) is None
+        assert await s.sched.etcd.get(other) is None
         left = await wait_for(lambda: s.events("NodeLeft", node_id=victim.node_id), timeout=10)
         assert left[0].details["status"] == "Removed"
 
