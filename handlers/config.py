@@ -67,6 +67,9 @@ class Settings:
     grpc_addr: str = "0.0.0.0"
     grpc_port: int = 8085
     metrics_port: int = 8084
+    #: where /metrics and /health listen ("" = PERSYS_GRPC_ADDR, as the Go version bound them);
+    #: they are plaintext and unauthenticated, so 127.0.0.1 keeps them off the network
+    metrics_addr: str = ""
     etcd_endpoints: tuple[str, ...] = ("localhost:2379",)
     etcd_timeout_s: float = 5.0
     etcd_root: str = ""
@@ -285,6 +288,7 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         grpc_addr=r.text("PERSYS_GRPC_ADDR", "0.0.0.0"),
         grpc_port=grpc_port,
         metrics_port=r.integer("METRICS_PORT", 8084, minimum=0, maximum=65535),
+        metrics_addr=r.text("SCHEDULER_METRICS_ADDR", ""),
         etcd_endpoints=endpoints,
         etcd_timeout_s=r.duration("SCHEDULER_ETCD_TIMEOUT", 5.0, allow_zero=False),
         etcd_root=r.text("SCHEDULER_ETCD_ROOT", ""),

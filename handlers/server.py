@@ -232,7 +232,8 @@ class Scheduler:
         self.tasks.start("loop-lag", lambda: probe_loop_lag(self.metrics.event_loop_lag))
         self.gc_pauses.install()
         await self._start_grpc()
-        await self.http.start(self.settings.grpc_addr, self.settings.metrics_port)
+        await self.http.start(self.settings.metrics_addr or self.settings.grpc_addr,
+                              self.settings.metrics_port)
         if self.settings.dns_enabled:
             port = self.settings.advertise_port
             if not port or port == self.settings.grpc_port:

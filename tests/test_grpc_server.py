@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.error
+import urllib.request
 from collections import Counter
 
 import grpc
+import pytest
 
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1 import control_pb2_grpc
@@ -45,3 +48,19 @@ async def _code(stub: control_pb2_grpc.AgentControlStub, node_id: str) -> grpc.S
     except grpc.aio.AioRpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
+
+
+async def test_metrics_listen_where_they_are_told(etcd_server, key_root, stream_key):
+    """SCHEDULER_METRICS_ADDR keeps the plaintext /metrics and /health off other interfaces."""
+    settings = make_settings(etcd_server, None, key_root, stream_key,
+                             grpc_addr="0.0.0.0", metrics_addr="127.0.0.2")
+    async with running_scheduler(settings) as sched:
+        port = sched.http.port
+
+        def health(host: str) -> int:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=3) as resp:
+                return int(resp.status)
+
+        assert await asyncio.to_thread(health, "127.0.0.2") == 200
+        with pytest.raises(urllib.error.URLError):
+            await asyncio.to_thread(health, "127.0.0.1")
