@@ -31,6 +31,15 @@ class EtcdTls:
         return context
 
     def requests_options(self) -> dict[str, Any]:
-        """``verify`` and ``cert`` for a ``requests.Session`` (the watch streams)."""
-        return {"verify": self.ca or True,
+        """``verify`` and ``cert`` for a ``requests.Session`` (the watch streams). Without a
+        CA file, the system's store, as the gateway client's ``ssl`` context uses (requests'
+        own default would be certifi's bundle: a CA trusted only by the system would then
+        pass every call but the watches)."""
+        return {"verify": self.ca or system_ca(),
                 "cert": (self.cert, self.key) if self.cert and self.key else self.cert or None}
+
+
+def system_ca() -> str | bool:
+    """The system's CA file or directory, as ``ssl.create_default_context`` finds it."""
+    paths = ssl.get_default_verify_paths()
+    return paths.cafile or paths.capath or True

@@ -28,7 +28,7 @@ import requests
 
 from eventsource.errors import Compacted, Unavailable, WatchCanceled
 from eventsource.etcd import KeyValue, b64
-from eventsource.etcdtls import EtcdTls
+from eventsource.etcdtls import EtcdTls, system_ca
 from eventsource.keys import prefix_end
 
 log = logging.getLogger("persys.watch")
@@ -91,6 +91,8 @@ class WatchStream:
             options = tls.requests_options()
             self._session.verify = options["verify"]
             self._session.cert = options["cert"]
+        elif base_url.startswith("https://"):
+            self._session.verify = system_ca()  # as the gateway client verifies
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-watch:{prefix}", daemon=True
         )

@@ -77,6 +77,8 @@ class _Entry:
     in_flight: int = 0
     #: replaced (transport failure, new endpoint or certificate): closed once idle
     retired: bool = False
+    #: its close was started (by whichever path came first)
+    closed: bool = False
 
 
 class AgentError(Exception):
@@ -178,6 +180,9 @@ class AgentPool:
 
     def _close_soon(self, entry: _Entry) -> None:
         self._retired.pop(id(entry), None)
+        if entry.closed:
+            return
+        entry.closed = True
         # an owned task: a flapping node must not pile up channels
         task = asyncio.get_running_loop().create_task(entry.channel.close())
         self._closing.add(task)
@@ -273,6 +278,9 @@ class AgentPool:
         entries, self._entries = self._entries, {}
         retired, self._retired = self._retired, {}
         for entry in [*entries.values(), *retired.values()]:
+            if entry.closed:
+                continue
+            entry.closed = True
             await entry.channel.close()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)

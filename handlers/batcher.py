@@ -55,6 +55,9 @@ class Intent:
     compares: list[Compare]
     puts: list[Put]
     events: list[Event]
+    #: committed in a transaction of its own: it compares keys other workloads' intents may
+    #: also compare (a disk), and one of those failing would fail every intent batched with it
+    alone: bool = False
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -110,8 +113,9 @@ class PlacementBatcher:
             if intent.future.done():
                 continue
             intent_keys = intent.keys()
-            if intent.node_id in self._busy or intent.workload_id in workloads or (
-                    intent_keys & keys) or (intent_keys & self._busy_keys):
+            if (batch and (intent.alone or batch[0].alone)) or intent.node_id in self._busy \
+                    or intent.workload_id in workloads or (intent_keys & keys) \
+                    or (intent_keys & self._busy_keys):
                 # a duplicate id (a client retry) would put the same keys twice in one txn
                 kept.append(intent)
                 continue

@@ -356,6 +356,10 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
             f"SCHEDULER_NODE_LEASE_TTL: {settings.node_lease_ttl_s}s must exceed "
             f"SCHEDULER_HEARTBEAT_INTERVAL ({settings.heartbeat_interval_s}s)"
         )
+    if settings.etcd_tls is not None and any(
+            e.lower().startswith("http://") for e in settings.etcd_endpoints):
+        raise ConfigError("ETCD_ENDPOINTS: an http:// endpoint with SCHEDULER_ETCD_CA/_CERT/_KEY "
+                          "set would talk to etcd in plaintext; use https:// or no scheme")
     if not insecure:
         for name, path in (("PERSYS_TLS_CA", settings.tls_ca), ("PERSYS_TLS_CERT",
                            settings.tls_cert), ("PERSYS_TLS_KEY", settings.tls_key)):

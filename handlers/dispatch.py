@@ -22,7 +22,7 @@ from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, WorkloadStatus
 from handlers.agents import AgentError, AgentPool
-from handlers.diskattach import detached, disk_ids_in_spec, load_disks
+from handlers.diskattach import detached, disk_ids_in_spec, disk_ids_of, load_disks
 from handlers.retry import is_vm
 from handlers.specs import CONVERSION_ERRORS, agent_apply_request
 from handlers.state import NotFound, StateWriter
@@ -209,7 +209,8 @@ class Dispatcher:
                 event=Event(type="WorkloadDeleted", workload_id=workload_id, node_id=node_id,
                             reason="Workload state removed", timestamp=self.clock.now()),
             )
-            await self._detach_disks(change, spec_item.value)
+            await self._detach_disks(change, spec_item.value,
+                                     status_item.value.metadata if status_item else {})
             try:
                 await self.committer.commit(change, fenced=fenced)
             except Conflict as exc:
@@ -221,17 +222,21 @@ class Dispatcher:
 
         return await retry_on_conflict(attempt)
 
-    async def _detach_disks(self, change: Change, spec: WorkloadSpec) -> None:
-        """Release the workload's standalone disks in its finalising transaction (a disk
-        deleted meanwhile, with force, is skipped)."""
+    async def _detach_disks(self, change: Change, spec: WorkloadSpec,
+                            metadata: dict[str, Any]) -> None:
+        """Release the workload's standalone disks in its finalising transaction: those its
+        spec got volumes from, and those its metadata names (records written before disks
+        were attached here, or by the Go version); a disk deleted meanwhile, or not
+        referencing the workload, is left alone."""
         volumes = spec.managed_volumes or (spec.vm or {}).get("managedVolumes") or []
-        disk_ids = disk_ids_in_spec(volumes)
+        disk_ids = list(dict.fromkeys([*disk_ids_in_spec(volumes),
+                                       *disk_ids_of(metadata, spec.vm)]))
         if not disk_ids:
             return
         now = rfc3339(self.clock.now())
         for disk_id, entry in (await load_disks(self.committer.etcd, self.layout,
                                                 disk_ids)).items():
-            if entry is None:
+            if entry is None or spec.id not in (entry[0].get("workloadRefs") or []):
                 continue
             record, mod = entry
             key = self.layout.volume(disk_id)

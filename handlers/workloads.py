@@ -225,6 +225,9 @@ class WorkloadCommands:
         disk_ids = disk_ids_of(parsed.metadata, spec.vm)
         disks = None
         if disk_ids:
+            if spec.type == "compose":
+                return Outcome(False, "INVALID_SPEC", f"{DISK_FIELD}: compose workloads cannot "
+                               "use disks (the agent takes only the compose YAML)")
             try:
                 disks = plan_attach(spec.id, disk_ids, await load_disks(
                     self.committer.etcd, self.layout, disk_ids))
@@ -253,6 +256,7 @@ class WorkloadCommands:
             puts=[Put(self.layout.spec(spec.id), encode(spec), category="spec"),
                   Put(self.layout.status(spec.id), encode(placed.status), category="status"),
                   *(p for p in placed.change.puts if p.category == "assignment"), *disk_puts],
+            alone=bool(disk_compares),
             events=[Event(type="WorkloadScheduled", workload_id=spec.id,
                           node_id=placed.node_id, reason="Workload created",
                           details={"revision_id": spec.revision_id},
@@ -308,7 +312,11 @@ class WorkloadCommands:
         else:
             new = copy.deepcopy(parsed.spec)
             kept_disks = _disk_volumes(old_spec)
-            if disk_ids_of(parsed.metadata, new.vm) != disk_ids_in_spec(kept_disks):
+            # a workload stored before disks were attached here (or by the Go version) names
+            # them in its metadata only: unchanged if it names the same ones
+            attached_ids = set(disk_ids_in_spec(kept_disks)) or set(
+                disk_ids_of(status.metadata, old_spec.vm))
+            if set(disk_ids_of(parsed.metadata, new.vm)) != attached_ids:
                 return Outcome(False, "INVALID_SPEC",
                                f"{DISK_FIELD}: the disks of an existing workload cannot change "
                                "(apply a new workload)")

@@ -59,3 +59,17 @@ async def test_an_intent_costs_its_own_writes() -> None:
     many = Intent(workload_id="w", node_id="n", cpu_m=1, mem_mb=1, compares=[],
                   puts=[Put(f"/k{i}", b"v") for i in range(5)], events=[object()] * 2)  # type: ignore[list-item]
     assert many.ops() == 7
+
+
+async def test_an_intent_that_must_go_alone_goes_alone() -> None:
+    queue = deque(intent(i, node=f"n{i}", value_bytes=10) for i in range(4))
+    queue[1].alone = True
+    b = batcher()
+    assert [i.workload_id for i in b._take(queue)] == ["w0", "w2", "w3"]
+    b._busy.clear()
+    assert [i.workload_id for i in b._take(queue)] == ["w1"]
+    queue.extend([intent(7, node="n7", value_bytes=10)])
+    queue.appendleft(intent(8, node="n8", value_bytes=10, ))
+    queue[0].alone = True
+    b._busy.clear()
+    assert [i.workload_id for i in b._take(queue)] == ["w8"]  # nothing joins it either

@@ -4,10 +4,12 @@ fleet, real etcd. See handlers/diskattach.py for the rules."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
 
+from eventsource.etcd import Put
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,
@@ -122,6 +124,13 @@ async def test_a_pinned_local_disk_places_the_workload_on_its_node(cluster):
     resp = await stub.ApplyWorkload(with_disks("stranded", gone.id))
     assert not resp.success
     assert "no-such-node" in resp.error_message
+    compose = with_disks("composed", disk.id)
+    compose.spec.ClearField("container")
+    compose.spec.type = "compose"
+    compose.spec.compose.inline_yaml = "services: {}"
+    refused = await stub.ApplyWorkload(compose)
+    assert not refused.success
+    assert "compose workloads cannot use disks" in refused.error_message
     missing = await stub.ApplyWorkload(with_disks("ghost", "disk-missing"))
     assert not missing.success
     assert missing.error_message.startswith(FIELD)
@@ -139,3 +148,33 @@ async def test_concurrent_workloads_for_one_disk_get_it_once(cluster):
     for i, answer in enumerate(answers):
         if not answer.success:
             assert sched.cluster.specs.get(f"c-{i}") is None
+
+
+async def test_a_workload_that_named_its_disk_before_attachment_releases_it(cluster):
+    """A record written before disks were attached here (or by the Go version): the disk
+    lists the workload, its metadata names the disk, its spec has no volume for it."""
+    sched, _, stub = cluster
+    disk = (await stub.CreateDisk(pb.CreateDiskRequest(name="legacy", driver="nfs",
+                                                       access_mode="ReadWriteMany"))).disk
+    assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+        workload_id="old", spec=container_spec()))).success
+
+    def names_disk(status):
+        status.metadata["persys.disk.ids"] = disk.id
+        return []
+
+    await sched.writer.update_status("old", names_disk)
+    kv = await sched.etcd.get(sched.layout.volume(disk.id))
+    record = json.loads(kv.value)
+    record["workloadRefs"] = ["old"]
+    await sched.etcd.txn([], [Put(kv.key, json.dumps(record).encode())])
+    # re-applying with the disk it names is no change of disks
+    again = with_disks("old", disk.id)
+    again.spec.container.image = "nginx:3"
+    assert (await stub.ApplyWorkload(again)).success
+    assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(workload_id="old"))).success
+
+    async def released() -> bool:
+        return not (await get_disk(stub, disk.id)).workload_refs
+
+    await wait_for(released, timeout=15, message="the older record's disk released")

@@ -127,6 +127,9 @@ async def test_vm_applies_and_deletes_get_their_own_deadlines() -> None:
         assert recorded == ["c-1"]
         deleted = await pool.delete("n1", endpoint, "vm-1")
         assert deleted.success
+        # the channel the container's deadline retired was closed once its last call ended
+        assert not pool._retired
+        await asyncio.gather(*pool._closing)
     finally:
         await dispatcher.aclose()
         await pool.close()

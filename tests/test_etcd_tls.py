@@ -135,3 +135,10 @@ def test_settings_name_a_half_configured_etcd_tls(tmp_path):
     with pytest.raises(ConfigError, match="SCHEDULER_ETCD_CA"):
         load_settings({"SCHEDULER_ETCD_CA": str(tmp_path / "missing.pem")}, insecure=True)
     assert load_settings({}, insecure=True).etcd_tls is None
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    with pytest.raises(ConfigError, match="ETCD_ENDPOINTS"):
+        load_settings({"SCHEDULER_ETCD_CA": str(ca), "ETCD_ENDPOINTS": "http://etcd:2379"},
+                      insecure=True)
+    assert load_settings({"SCHEDULER_ETCD_CA": str(ca), "ETCD_ENDPOINTS": "etcd:2379"},
+                         insecure=True).etcd_tls == EtcdTls(str(ca))
