@@ -15,18 +15,11 @@ from typing import Any
 import grpc
 
 from handlers.authz import AGENT_METHODS, Caller, refuse_call
+from handlers.grpcwrap import rewrap
 
 log = logging.getLogger("persys.access")
 
 CONTROL_SERVICE = "/persys.control.v1.AgentControl/"
-
-_KINDS: tuple[tuple[str, Callable[..., grpc.RpcMethodHandler], bool], ...] = (
-    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
-    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
-    ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
-    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
-)
-
 
 def caller_of(context: grpc.aio.ServicerContext) -> Caller:
     """The verified client certificate's identity (empty without TLS)."""
@@ -56,13 +49,7 @@ class AgentRoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method = full[len(CONTROL_SERVICE):]
         if method in AGENT_METHODS:
             return handler
-        for kind, make, streams in _KINDS:
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return make(self._guard(method, behavior, streams),
-                            request_deserializer=handler.request_deserializer,
-                            response_serializer=handler.response_serializer)
-        return handler
+        return rewrap(handler, lambda behavior, streams: self._guard(method, behavior, streams))
 
     async def _check(self, method: str, context: grpc.aio.ServicerContext) -> None:
         caller = caller_of(context)

@@ -18,6 +18,8 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Histogram
 
+from handlers.grpcwrap import rewrap
+
 
 def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
     """The status the call ended with: set by the handler (abort or set_code), else implied."""
@@ -30,15 +32,6 @@ def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> 
     if isinstance(error, asyncio.CancelledError):
         return "CANCELLED"
     return "UNKNOWN"
-
-
-#: handler kind, its constructor, and whether the response is a stream
-_KINDS: tuple[tuple[str, Callable[..., grpc.RpcMethodHandler], bool], ...] = (
-    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
-    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
-    ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
-    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
-)
 
 
 class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -61,14 +54,8 @@ class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
         method: str = details.method
-        for kind, make, streams in _KINDS:
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                wrap = self._wrap_stream if streams else self._wrap_unary
-                return make(wrap(method, behavior),
-                            request_deserializer=handler.request_deserializer,
-                            response_serializer=handler.response_serializer)
-        return handler
+        return rewrap(handler, lambda behavior, streams: (
+            self._wrap_stream if streams else self._wrap_unary)(method, behavior))
 
     def _wrap_unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -1,0 +1,35 @@
+"""Rebuild a gRPC method handler around a wrapped behaviour, whatever its kind.
+
+Why one place: every server interceptor that acts inside a call (the metrics, the certificate
+check) must find which of the four behaviours a handler has and rebuild the handler with the
+same (de)serializers; a copy per interceptor drifts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+#: handler kind, its constructor, and whether the response is a stream
+_KINDS: tuple[tuple[str, Callable[..., grpc.RpcMethodHandler], bool], ...] = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+)
+
+#: (behaviour, response is a stream) -> the behaviour to serve instead
+Wrap = Callable[[Callable[..., Any], bool], Callable[..., Any]]
+
+
+def rewrap(handler: grpc.RpcMethodHandler, wrap: Wrap) -> grpc.RpcMethodHandler:
+    """``handler`` serving ``wrap(behaviour, streams)`` instead of its behaviour."""
+    for kind, make, streams in _KINDS:
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            return make(wrap(behavior, streams),
+                        request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    return handler
