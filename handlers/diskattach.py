@@ -13,6 +13,11 @@ metadata, else in a VM spec's metadata; separated by commas, spaces or semicolon
 * each disk becomes a managed volume of the spec (tagged with its ``disk_id``), which the
   agent provisions and mounts.
 
+A workload moved to another node (drain, failover) takes its disks along: the move's
+transaction rewrites each disk's ``attachedNodes`` (the old node stays only while another of
+the disk's workloads is still there), with a compare on the disk. Only workloads whose disks
+are not local move at all (a local disk makes the workload node-local).
+
 Deleting the workload detaches its disks in the finalising transaction; DeleteDisk refuses a
 disk that workloads still use. The disks of an existing workload cannot change (apply a new
 workload instead): moving a volume between workloads is not something an agent can do.
@@ -131,6 +136,23 @@ def attached(record: Mapping[str, Any], workload_id: str, node_id: str,
     out.update(workloadRefs=refs, attachedNodes=nodes, phase="Attached", updatedAt=now)
     if out.get("driver") == "local" and not out.get("nodeId"):
         out["nodeId"] = node_id  # the data will live there
+    return out
+
+
+def moved(record: Mapping[str, Any], workload_id: str, *, from_node: str, to_node: str,
+          node_of: Mapping[str, str], now: str) -> dict[str, Any]:
+    """The disk record once ``workload_id`` runs on ``to_node`` instead of ``from_node``.
+
+    ``node_of`` maps the disk's other workloads to their nodes: ``from_node`` stays attached
+    while one of them still runs there.
+    """
+    out = copy.deepcopy(dict(record))
+    others_there = any(node_of.get(ref) == from_node
+                       for ref in out.get("workloadRefs") or [] if ref != workload_id)
+    nodes = [n for n in out.get("attachedNodes") or [] if n != from_node or others_there]
+    if to_node not in nodes:
+        nodes.append(to_node)
+    out.update(attachedNodes=nodes, updatedAt=now)
     return out
 
 

@@ -14,6 +14,7 @@ state that includes the winning write.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ from eventsource.records import (
 )
 from handlers.batcher import Intent, PlacementBatcher
 from handlers.diskattach import FIELD as DISK_FIELD
-from handlers.diskattach import disk_ids_in_spec, disk_ids_of, load_disks, plan_attach
+from handlers.diskattach import disk_ids_in_spec, disk_ids_of, load_disks, moved, plan_attach
 from handlers.dispatch import Dispatcher
 from handlers.modes import ModeState
 from handlers.placement import PlacementRequest, canonical_driver
@@ -606,6 +607,10 @@ class Relocator:
                                                    old_alloc.mod_revision))
                 change.puts.append(Put(c.layout.allocation(from_node), encode(record),
                                        category="allocation"))
+            disk_compares, disk_puts = await self._move_disks(
+                spec, workload_id, from_node=from_node, to_node=placed.node_id)
+            change.compares.extend(disk_compares)
+            change.puts.extend(disk_puts)
             change.events.append(Event(
                 type=event_type, workload_id=workload_id, node_id=placed.node_id,
                 reason=placed.reason, details={"previous_node": from_node},
@@ -628,3 +633,30 @@ class Relocator:
             return "moved"
 
         return await retry_on_conflict(attempt)
+
+    async def _move_disks(self, spec: WorkloadSpec, workload_id: str, *, from_node: str,
+                          to_node: str) -> tuple[list[Compare], list[Put]]:
+        """The writes that move the workload's disks to ``to_node`` (compared, so a disk
+        changed meanwhile makes the move retry)."""
+        c = self.c
+        disk_ids = disk_ids_in_spec(_disk_volumes(spec))
+        if not disk_ids:
+            return [], []
+        compares: list[Compare] = []
+        puts: list[Put] = []
+        now = rfc3339(c.clock.now())
+        for disk_id, found in (await load_disks(c.committer.etcd, c.layout, disk_ids)).items():
+            if found is None:
+                continue  # deleted out of band: nothing left to keep in step
+            record, mod = found
+            refs = [str(r) for r in record.get("workloadRefs") or []]
+            if workload_id not in refs:
+                continue
+            node_of = {ref: item.value.node_id for ref in refs
+                       if (item := c.cluster.statuses.get(ref)) is not None}
+            key = c.layout.volume(disk_id)
+            compares.append(Compare.mod(key, mod))
+            puts.append(Put(key, json.dumps(moved(record, workload_id, from_node=from_node,
+                                                  to_node=to_node, node_of=node_of, now=now))
+                            .encode(), category="other"))
+        return compares, puts

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from eventsource.etcd import Put
+from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,
@@ -35,7 +36,10 @@ async def cluster(etcd_server, redis_server, key_root, stream_key):
     settings = make_settings(etcd_server, redis_server, key_root, stream_key)
     async with running_scheduler(settings) as sched:
         address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 3) as fleet, control_stub(address) as stub:
+        # the nodes mount network disks too, so a workload using one may move
+        behaviour = NodeBehaviour(apply_latency_s=0.05, storage_drivers=["local", "nfs"])
+        async with (running_fleet(address, 3, behaviour=behaviour) as fleet,
+                    control_stub(address) as stub):
             await fleet.wait_registered()
 
             async def ready() -> bool:
@@ -135,6 +139,27 @@ async def test_a_pinned_local_disk_places_the_workload_on_its_node(cluster):
     assert not missing.success
     assert missing.error_message.startswith(FIELD)
     assert "not found" in missing.error_message
+
+
+async def test_a_drained_workload_takes_its_network_disk_along(cluster):
+    _, _, stub = cluster
+    disk = (await stub.CreateDisk(pb.CreateDiskRequest(name="shared-data", driver="nfs",
+                                                       size_gb=5))).disk
+    resp = await stub.ApplyWorkload(with_disks("mover", disk.id))
+    assert resp.success, resp.error_message
+    first = await assigned(stub, "mover")
+    assert list((await get_disk(stub, disk.id)).attached_nodes) == [first]
+
+    await stub.DrainNode(pb.DrainNodeRequest(node_id=first, reason="maintenance"))
+
+    async def moved_away() -> bool:
+        return await assigned(stub, "mover") not in ("", first)
+
+    await wait_for(moved_away, message="mover relocated off the drained node")
+    second = await assigned(stub, "mover")
+    got = await get_disk(stub, disk.id)
+    assert list(got.attached_nodes) == [second]
+    assert list(got.workload_refs) == ["mover"]
 
 
 async def test_concurrent_workloads_for_one_disk_get_it_once(cluster):

@@ -12,6 +12,7 @@ from handlers.diskattach import (
     detached,
     disk_ids_in_spec,
     disk_ids_of,
+    moved,
     plan_attach,
     volume_of,
 )
@@ -88,3 +89,23 @@ def test_a_volume_carries_the_disk():
     assert volume == {"name": "a", "driver": "local", "size_gb": 5,
                       "access_mode": "ReadOnlyMany", "fs_type": "xfs", "mount_path": "/srv",
                       "read_only": True, "retain_policy": "Retain", "disk_id": "d"}
+
+
+@pytest.mark.parametrize(("attached_to", "node_of", "expected"), [
+    # the only user moves: the disk follows it
+    (["n1"], {}, ["n2"]),
+    # another user still runs on the old node: it stays attached there too
+    (["n1"], {"other": "n1"}, ["n1", "n2"]),
+    # another user elsewhere: its node stays, the old one goes
+    (["n3", "n1"], {"other": "n3"}, ["n3", "n2"]),
+    # already attached to the target (a ReadWriteMany disk shared with it)
+    (["n1", "n2"], {"other": "n2"}, ["n2"]),
+])
+def test_a_moved_workload_takes_its_disk_along(attached_to, node_of, expected):
+    record = disk("shared", "nfs", refs=("w", "other"), access="ReadWriteMany")
+    record["attachedNodes"] = attached_to
+    out = moved(record, "w", from_node="n1", to_node="n2", node_of=node_of, now="T")
+    assert out["attachedNodes"] == expected
+    assert out["workloadRefs"] == ["w", "other"]
+    assert out["updatedAt"] == "T"
+    assert record["attachedNodes"] == attached_to  # the input is not changed
