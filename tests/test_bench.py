@@ -131,9 +131,17 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_run_stops_everything_it_started(signum):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ops.cli", "bench", "reconcile", *FAST, "--workloads", "2000"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C reaches a bench started from a terminal, whose SIGINT is at its default. A test
+    # runner started in the background has SIGINT ignored, and an ignored signal stays ignored
+    # in every child (a handled one is reset to the default), so the bench would never see it:
+    # start the bench while this process handles SIGINT.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "bench", "reconcile", *FAST, "--workloads", "2000"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         assert proc.stderr is not None
         for line in proc.stderr:  # blocks until the bench reports that it is applying
