@@ -36,7 +36,14 @@ from eventsource.records import (
 )
 from handlers.batcher import Intent, PlacementBatcher
 from handlers.diskattach import FIELD as DISK_FIELD
-from handlers.diskattach import disk_ids_in_spec, disk_ids_of, load_disks, moved, plan_attach
+from handlers.diskattach import (
+    Found,
+    disk_ids_in_spec,
+    disk_ids_of,
+    load_disks,
+    moved,
+    plan_attach,
+)
 from handlers.dispatch import Dispatcher
 from handlers.modes import ModeState
 from handlers.placement import PlacementRequest, canonical_driver
@@ -582,6 +589,8 @@ class Relocator:
                     details={"persistence_class": pclass}, timestamp=c.clock.now())]),
                     fenced=fenced)
                 return "skipped"
+            # read before deciding: no await between the decision and its reservation
+            disks = await self._disks_of(spec)
             placed = c._place(spec, status, exclude=frozenset({from_node}))
             if isinstance(placed, Outcome):
                 return "no-target"
@@ -607,8 +616,8 @@ class Relocator:
                                                    old_alloc.mod_revision))
                 change.puts.append(Put(c.layout.allocation(from_node), encode(record),
                                        category="allocation"))
-            disk_compares, disk_puts = await self._move_disks(
-                spec, workload_id, from_node=from_node, to_node=placed.node_id)
+            disk_compares, disk_puts = self._move_disks(
+                disks, workload_id, from_node=from_node, to_node=placed.node_id)
             change.compares.extend(disk_compares)
             change.puts.extend(disk_puts)
             change.events.append(Event(
@@ -634,18 +643,22 @@ class Relocator:
 
         return await retry_on_conflict(attempt)
 
-    async def _move_disks(self, spec: WorkloadSpec, workload_id: str, *, from_node: str,
-                          to_node: str) -> tuple[list[Compare], list[Put]]:
-        """The writes that move the workload's disks to ``to_node`` (compared, so a disk
-        changed meanwhile makes the move retry)."""
-        c = self.c
+    async def _disks_of(self, spec: WorkloadSpec) -> dict[str, Found]:
+        """The records of the standalone disks the workload uses (read from etcd)."""
         disk_ids = disk_ids_in_spec(_disk_volumes(spec))
         if not disk_ids:
-            return [], []
+            return {}
+        return await load_disks(self.c.committer.etcd, self.c.layout, disk_ids)
+
+    def _move_disks(self, disks: dict[str, Found], workload_id: str, *, from_node: str,
+                    to_node: str) -> tuple[list[Compare], list[Put]]:
+        """The writes that move the workload's disks to ``to_node`` (compared, so a disk
+        changed since it was read makes the move retry)."""
+        c = self.c
         compares: list[Compare] = []
         puts: list[Put] = []
         now = rfc3339(c.clock.now())
-        for disk_id, found in (await load_disks(c.committer.etcd, c.layout, disk_ids)).items():
+        for disk_id, found in disks.items():
             if found is None:
                 continue  # deleted out of band: nothing left to keep in step
             record, mod = found
