@@ -80,11 +80,26 @@ class AttachPlan:
         """The compares and puts that attach the disks to ``workload_id`` on ``node_id``."""
         compares, puts = [], []
         for disk_id, (record, mod) in self.disks.items():
-            key = layout.volume(disk_id)
-            compares.append(Compare.mod(key, mod))
-            puts.append(Put(key, json.dumps(attached(record, workload_id, node_id, now))
-                            .encode(), category="other"))
+            compare, put = rewrite(layout, disk_id, mod,
+                                   attached(record, workload_id, node_id, now))
+            compares.append(compare)
+            puts.append(put)
         return compares, puts
+
+
+def rewrite(layout: KeyLayout, disk_id: str, mod: int,
+            record: Mapping[str, Any]) -> tuple[Compare, Put]:
+    """A disk record's new value, compared on the revision the old one was read at."""
+    key = layout.volume(disk_id)
+    return Compare.mod(key, mod), Put(key, json.dumps(record).encode(), category="other")
+
+
+def used_by(found: Mapping[str, Found], workload_id: str
+            ) -> list[tuple[str, dict[str, Any], int]]:
+    """``(disk id, record, revision)`` of the disks read that list ``workload_id`` (a disk
+    deleted meanwhile, or no longer listing it, has nothing to keep in step)."""
+    return [(disk_id, entry[0], entry[1]) for disk_id, entry in found.items()
+            if entry is not None and workload_id in (entry[0].get("workloadRefs") or [])]
 
 
 def plan_attach(workload_id: str, disk_ids: list[str], found: Mapping[str, Found]

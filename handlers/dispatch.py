@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 from typing import Any
 
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, NotLeader, StoreError
-from eventsource.etcd import Compare, Put
 from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, WorkloadStatus
 from handlers.agents import AgentError, AgentPool
-from handlers.diskattach import detached, disk_ids_in_spec, disk_ids_of, load_disks
+from handlers.diskattach import (
+    detached,
+    disk_ids_in_spec,
+    disk_ids_of,
+    load_disks,
+    rewrite,
+    used_by,
+)
 from handlers.retry import is_vm
 from handlers.specs import CONVERSION_ERRORS, agent_apply_request
 from handlers.state import NotFound, StateWriter
@@ -234,15 +239,11 @@ class Dispatcher:
         if not disk_ids:
             return
         now = rfc3339(self.clock.now())
-        for disk_id, entry in (await load_disks(self.committer.etcd, self.layout,
-                                                disk_ids)).items():
-            if entry is None or spec.id not in (entry[0].get("workloadRefs") or []):
-                continue
-            record, mod = entry
-            key = self.layout.volume(disk_id)
-            change.compares.append(Compare.mod(key, mod))
-            change.puts.append(Put(key, json.dumps(detached(record, spec.id, now)).encode(),
-                                   category="other"))
+        found = await load_disks(self.committer.etcd, self.layout, disk_ids)
+        for disk_id, record, mod in used_by(found, spec.id):
+            compare, put = rewrite(self.layout, disk_id, mod, detached(record, spec.id, now))
+            change.compares.append(compare)
+            change.puts.append(put)
 
     async def aclose(self) -> None:
         tasks = list(self._tasks)

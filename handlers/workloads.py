@@ -14,7 +14,6 @@ state that includes the winning write.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +42,8 @@ from handlers.diskattach import (
     load_disks,
     moved,
     plan_attach,
+    rewrite,
+    used_by,
 )
 from handlers.dispatch import Dispatcher
 from handlers.modes import ModeState
@@ -658,18 +659,12 @@ class Relocator:
         compares: list[Compare] = []
         puts: list[Put] = []
         now = rfc3339(c.clock.now())
-        for disk_id, found in disks.items():
-            if found is None:
-                continue  # deleted out of band: nothing left to keep in step
-            record, mod = found
-            refs = [str(r) for r in record.get("workloadRefs") or []]
-            if workload_id not in refs:
-                continue
-            node_of = {ref: item.value.node_id for ref in refs
-                       if (item := c.cluster.statuses.get(ref)) is not None}
-            key = c.layout.volume(disk_id)
-            compares.append(Compare.mod(key, mod))
-            puts.append(Put(key, json.dumps(moved(record, workload_id, from_node=from_node,
-                                                  to_node=to_node, node_of=node_of, now=now))
-                            .encode(), category="other"))
+        for disk_id, record, mod in used_by(disks, workload_id):
+            node_of = {str(ref): item.value.node_id for ref in record.get("workloadRefs") or []
+                       if (item := c.cluster.statuses.get(str(ref))) is not None}
+            compare, put = rewrite(c.layout, disk_id, mod, moved(
+                record, workload_id, from_node=from_node, to_node=to_node, node_of=node_of,
+                now=now))
+            compares.append(compare)
+            puts.append(put)
         return compares, puts
