@@ -21,7 +21,6 @@ Each caller awaits its own future: it learns the commit revision or the reason.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -144,11 +143,11 @@ class PlacementBatcher:
         # our own commit counts only while the projection has not reached it; afterwards the
         # projection is the truth (the key may have been rewritten or deleted since)
         if mine is not None and mine[1] > self.cluster.allocations.revision:
-            return copy.deepcopy(mine[0]), mine[1]
+            return mine[0].clone(), mine[1]
         self._committed.pop(node_id, None)
         if item is None:
             return Allocation(node_id=node_id), 0
-        return copy.deepcopy(item.value), item.mod_revision
+        return item.value.clone(), item.mod_revision
 
     def _build(self, batch: list[Intent]) -> tuple[Change, list[Intent], dict[str, Allocation]]:
         change = Change(kind="placement")
@@ -164,7 +163,7 @@ class PlacementBatcher:
             if intent.node_id not in allocations:
                 allocations[intent.node_id] = self._base(intent.node_id)
             allocation = allocations[intent.node_id][0]
-            trial = copy.deepcopy(allocation)
+            trial = allocation.clone()
             trial.add(intent.workload_id, intent.cpu_m, intent.mem_mb)
             node = node_item.value
             cpu_total = round(node.total_cpu * 1000)

@@ -204,7 +204,7 @@ class Dispatcher:
             if node_id:
                 alloc_item = self.cluster.allocations.get(node_id)
                 if alloc_item is not None and workload_id in alloc_item.value.workloads:
-                    record = copy.deepcopy(alloc_item.value)
+                    record = alloc_item.value.clone()
                     record.remove(workload_id)
                     allocation = (node_id, record, alloc_item.mod_revision)
             change = delete_workload_change(

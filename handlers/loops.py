@@ -897,7 +897,7 @@ class ReconcileLoop(_Shell):
             for node_id, add in moves:
                 # the workload runs here: its allocation follows reality, without a fit check
                 item = self.cluster.allocations.get(node_id)
-                record = copy.deepcopy(item.value) if item else Allocation(node_id=node_id)
+                record = item.value.clone() if item else Allocation(node_id=node_id)
                 record.node_id = node_id
                 if add:
                     record.add(wid, cpu_m, mem_mb)

@@ -195,7 +195,7 @@ class WorkloadCommands:
         alloc_item = self.cluster.allocations.get(node_id)
         if node_item is None:
             raise Conflict("chosen node vanished")
-        allocation = copy.deepcopy(alloc_item.value) if alloc_item else Allocation(node_id=node_id)
+        allocation = alloc_item.value.clone() if alloc_item else Allocation(node_id=node_id)
         allocation.node_id = node_id
         allocation.add(spec.id, cpu_m, mem_mb)
         node = node_item.value
@@ -384,7 +384,7 @@ class WorkloadCommands:
                 new_req: tuple[int, int]) -> tuple[Compare, Put] | Outcome:
         alloc_item = self.cluster.allocations.get(node_id)
         node_item = self.cluster.nodes.get(node_id)
-        allocation = copy.deepcopy(alloc_item.value) if alloc_item else Allocation(node_id=node_id)
+        allocation = alloc_item.value.clone() if alloc_item else Allocation(node_id=node_id)
         allocation.add(workload_id, *new_req)
         if node_item is not None:
             node = node_item.value
