@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from handlers.authz import AGENT_METHODS, Caller, refuse_call
-from handlers.grpcwrap import rewrap
+from handlers.grpcwrap import WrapCache, rewrap
 
 log = logging.getLogger("persys.access")
 
@@ -36,6 +36,7 @@ class AgentRoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._agent_names = agent_names
         self._operator_names = operator_names
         self._on_refusal = on_refusal
+        self._wrapped = WrapCache()
 
     async def intercept_service(
         self,
@@ -49,7 +50,8 @@ class AgentRoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method = full[len(CONTROL_SERVICE):]
         if method in AGENT_METHODS:
             return handler
-        return rewrap(handler, lambda behavior, streams: self._guard(method, behavior, streams))
+        return self._wrapped.get(full, handler, lambda inner: rewrap(
+            inner, lambda behavior, streams: self._guard(method, behavior, streams)))
 
     async def _check(self, method: str, context: grpc.aio.ServicerContext) -> None:
         caller = caller_of(context)

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Histogram
 
-from handlers.grpcwrap import rewrap
+from handlers.grpcwrap import WrapCache, rewrap
 
 
 def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
@@ -40,10 +40,18 @@ class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, requests: Counter, duration: Histogram) -> None:
         self._requests = requests
         self._duration = duration
+        self._wrapped = WrapCache()
+        # the metric children by (method, code), looked up once: bounded like the handlers
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def _record(self, method: str, code: str, began: float) -> None:
-        self._requests.labels(method, code).inc()
-        self._duration.labels(method, code).observe(time.perf_counter() - began)
+        children = self._children.get((method, code))
+        if children is None:
+            children = (self._requests.labels(method, code),
+                        self._duration.labels(method, code))
+            self._children[(method, code)] = children
+        children[0].inc()
+        children[1].observe(time.perf_counter() - began)
 
     async def intercept_service(
         self,
@@ -54,8 +62,9 @@ class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
         method: str = details.method
-        return rewrap(handler, lambda behavior, streams: (
-            self._wrap_stream if streams else self._wrap_unary)(method, behavior))
+        return self._wrapped.get(method, handler, lambda inner: rewrap(
+            inner, lambda behavior, streams: (
+                self._wrap_stream if streams else self._wrap_unary)(method, behavior)))
 
     def _wrap_unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -33,3 +33,26 @@ def rewrap(handler: grpc.RpcMethodHandler, wrap: Wrap) -> grpc.RpcMethodHandler:
                         request_deserializer=handler.request_deserializer,
                         response_serializer=handler.response_serializer)
     return handler
+
+
+class WrapCache:
+    """Wrapped handlers by method, made once: grpc asks the interceptors for a handler on
+    every call, and rebuilding one costs a handler and closures per call.
+
+    A cached entry is used only while the inner handler is the same object, so an inner
+    interceptor that hands out a new handler per call is still wrapped correctly. The size is
+    bounded by the registered methods: an unknown method has no handler and is not wrapped.
+    """
+
+    def __init__(self) -> None:
+        self._by_method: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def get(self, method: str, handler: grpc.RpcMethodHandler,
+            make: Callable[[grpc.RpcMethodHandler], grpc.RpcMethodHandler]
+            ) -> grpc.RpcMethodHandler:
+        cached = self._by_method.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = make(handler)
+        self._by_method[method] = (handler, wrapped)
+        return wrapped

@@ -10,6 +10,7 @@ from collections import Counter
 import grpc
 import pytest
 
+from handlers.grpcwrap import WrapCache
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1 import control_pb2_grpc
 from tests.fixtures.harness import make_settings, running_scheduler
@@ -64,3 +65,25 @@ async def test_metrics_listen_where_they_are_told(etcd_server, key_root, stream_
         assert await asyncio.to_thread(health, "127.0.0.2") == 200
         with pytest.raises(urllib.error.URLError):
             await asyncio.to_thread(health, "127.0.0.1")
+
+
+def test_a_wrapped_handler_is_reused_while_its_inner_handler_is_the_same() -> None:
+    async def behave(request: object, context: object) -> object:
+        return request
+
+    first = grpc.unary_unary_rpc_method_handler(behave)
+    second = grpc.unary_unary_rpc_method_handler(behave)
+    cache = WrapCache()
+    made: list[grpc.RpcMethodHandler] = []
+
+    def make(inner: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        made.append(inner)
+        return grpc.unary_unary_rpc_method_handler(inner.unary_unary)
+
+    wrapped = cache.get("/svc/A", first, make)
+    assert cache.get("/svc/A", first, make) is wrapped
+    # a different inner handler (an inner interceptor that builds one per call) is wrapped anew
+    rewrapped = cache.get("/svc/A", second, make)
+    assert rewrapped is not wrapped
+    assert cache.get("/svc/B", first, make) is not wrapped
+    assert made == [first, second, first]

@@ -194,6 +194,11 @@ async def test_an_agent_certificate_calls_only_agent_rpcs(pki, tls_scheduler):
     with pytest.raises(grpc.aio.AioRpcError) as missing:
         await operator.GetWorkload(pb.GetWorkloadRequest(workload_id="x"), timeout=5)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    # handlers are wrapped once per method: who calls is still decided on every call
+    await operator.ListNodes(pb.ListNodesRequest(), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as again:
+        await agent.ListNodes(pb.ListNodesRequest(), timeout=5)
+    assert again.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # and an agent's own RPC goes through
     reg = await agent.RegisterNode(pb.RegisterNodeRequest(
         node_id="tls-own", grpc_endpoint="127.0.0.1:1", capabilities=pb.NodeCapabilities(
