@@ -14,6 +14,7 @@ assigned to the reporting node: one node's agent cannot change another node's wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -261,11 +262,16 @@ class NodeCommands:
             await self._ensure_alive(node_id, change)
             if not change.is_empty():
                 try:
-                    await self.committer.commit(change)
+                    committed = await self.committer.commit(change)
                 except Conflict as exc:
                     if exc.revision:
                         await self.cluster.wait_for(exc.revision, which=("nodes", "alive"))
                     raise
+                # read-your-writes: whoever places work right after the registration was
+                # answered must find the node (a placement once answered "no nodes registered")
+                with contextlib.suppress(StoreError):
+                    await self.cluster.wait_for(committed.revision, which=("nodes", "alive"),
+                                                timeout=2.0)
             return True
 
         try:

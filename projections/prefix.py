@@ -15,6 +15,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,7 +80,10 @@ class PrefixProjection(Generic[R]):
         self.revision = 0
         self.ready = asyncio.Event()
         self.listeners: list[Listener[R]] = []
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        # a heap of (revision, sequence, future): a watch batch wakes the due waiters without
+        # looking at the others (a registration burst waits with thousands at once)
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiter_seq = itertools.count()
         self.restarts = 0
 
     # -- reading ----------------------------------------------------------------------------
@@ -113,20 +118,21 @@ class PrefixProjection(Generic[R]):
         if self.revision >= revision:
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((revision, future))
+        heapq.heappush(self._waiters, (revision, next(self._waiter_seq), future))
         try:
             await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
+            # the cancelled future stays in the heap until its revision comes: _wake skips it
             raise Unavailable(
                 f"projection {self.name} at revision {self.revision}, "
                 f"did not reach {revision} within {timeout}s"
             ) from exc
-        finally:
-            self._waiters = [(r, f) for r, f in self._waiters if f is not future]
 
     def _wake(self) -> None:
-        for revision, future in self._waiters:
-            if revision <= self.revision and not future.done():
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= self.revision:
+            future = heapq.heappop(waiters)[2]
+            if not future.done():
                 future.set_result(None)
 
     # -- folding ----------------------------------------------------------------------------

@@ -361,3 +361,23 @@ async def test_node_labels_and_taints_are_bounded_and_named_when_refused(
         after = sched.cluster.nodes.get("n-1").value
         assert (after.labels, after.taints) == (before.value.labels, before.value.taints)
         assert sched.cluster.nodes.get("n-crowded") is None
+
+
+async def test_a_registered_node_is_placeable_as_soon_as_registration_answers(
+        etcd_server, redis_server, key_root, stream_key):
+    """Read-your-writes: RegisterNode answers only once this replica's projections show the
+    node (an ApplyWorkload right after a fleet registered was once answered "no nodes
+    registered")."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched, \
+            control_stub(f"127.0.0.1:{sched.grpc_port}") as stub:
+        for i in range(30):
+            node_id = f"ryw-{i:02d}"
+            reg = await stub.RegisterNode(pb.RegisterNodeRequest(
+                node_id=node_id, grpc_endpoint=f"127.0.0.1:{20000 + i}",
+                capabilities=pb.NodeCapabilities(cpu_total_millicores=4000,
+                                                 memory_total_mb=4096)), timeout=5)
+            assert reg.accepted, reg.reason
+            # no await between the answer and the checks: the projections already show it
+            assert sched.cluster.nodes.get(node_id) is not None, f"{node_id} not projected"
+            assert sched.cluster.alive.get(node_id) is not None, f"{node_id} not alive"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from eventsource.errors import Unavailable
 from eventsource.etcd import AsyncEtcd, Delete, Put
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
@@ -84,6 +87,40 @@ async def test_relist_after_watch_start_revision_was_compacted(etcd_server, key_
             assert projection.items["b"].value.total_cpu == 2.0
             assert projection.revision >= current
             _assert_snapshot_matches(projection)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    finally:
+        etcd.close()
+
+
+async def test_revision_waiters_wake_in_order_and_a_timed_out_one_is_skipped(
+        etcd_server, key_root):
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    layout = KeyLayout(key_root)
+    projection: PrefixProjection[Node] = PrefixProjection(
+        etcd, layout.nodes_prefix, lambda _id, raw: decode(Node, raw), name="nodes",
+        metrics=Metrics())
+    try:
+        kvs, listed_at = await etcd.list_prefix(layout.nodes_prefix)
+        projection.load(kvs, listed_at)
+        await projection.wait_for_revision(listed_at)  # already there: returns at once
+        woken: list[int] = []
+
+        async def wait(offset: int) -> None:
+            await projection.wait_for_revision(listed_at + offset)
+            woken.append(offset)
+
+        waiters = [asyncio.create_task(wait(offset)) for offset in (3, 1, 2, 1)]
+        with pytest.raises(Unavailable):  # times out; its heap entry must not stop the rest
+            await projection.wait_for_revision(listed_at + 2, timeout=0.05)
+        task = asyncio.create_task(projection.run_from(listed_at))
+        try:
+            for i in range(3):
+                await etcd.txn([], [Put(layout.node(f"w{i}"), _node(f"w{i}"))])
+            await asyncio.wait_for(asyncio.gather(*waiters), 10)
+            assert woken == [1, 1, 2, 3]
+            assert projection._waiters == []
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
