@@ -36,6 +36,10 @@ KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 32 * 1024 * 1024),
+    # no bandwidth-delay probing: it pings on received data to size flow-control windows for
+    # bulk transfers, and agent calls are small. Off, a call costs about 20% less client CPU
+    # with 1,000 channels (428-529 -> 350-391 us), which is a 5,000-node cycle's main cost.
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
