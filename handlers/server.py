@@ -73,6 +73,23 @@ SERVER_OPTIONS = (
 )
 
 
+def awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a task waits: its chain of awaited coroutines, innermost last (``get_stack``
+    shows only the outermost frame of a suspended task, which names nothing useful)."""
+    steps: list[str] = []
+    current: Any = task.get_coro()
+    while current is not None and len(steps) < 32:
+        frame = getattr(current, "cr_frame", None) or getattr(current, "ag_frame", None)
+        if frame is not None:
+            steps.append(f"{frame.f_code.co_qualname} "
+                         f"({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+        nxt = getattr(current, "cr_await", None) or getattr(current, "ag_await", None)
+        if nxt is None and frame is None:
+            steps.append(repr(current)[:120])  # a future, a task or a foreign awaitable
+        current = nxt
+    return " > ".join(steps) or "?"
+
+
 class TaskOwner:
     """Owns named eternal tasks: a failure is logged and the task restarted with backoff."""
 
@@ -106,8 +123,8 @@ class TaskOwner:
             return
         _, pending = await asyncio.wait(targets, timeout=timeout)
         for task in pending:
-            log.error("task %s did not stop within %.0fs; abandoning it: %s", task.get_name(),
-                      timeout, "".join(str(f) for f in task.get_stack(limit=8)))
+            log.error("task %s did not stop within %.0fs; abandoning it; it waits in %s",
+                      task.get_name(), timeout, awaiting(task))
 
 
 class Scheduler:
@@ -231,7 +248,8 @@ class Scheduler:
                 self.tasks.start("relay", self.relay.run)
         await self.cluster.wait_ready(timeout=60.0)
         self.tasks.start("leader", self.leader.run)
-        self.tasks.start("usage", self.usage.run)
+        if self.usage_redis is not None:  # without Redis there is nothing to write usage to
+            self.tasks.start("usage", self.usage.run)
         self.tasks.start("loop-lag", lambda: probe_loop_lag(self.metrics.event_loop_lag))
         self.gc_pauses.install()
         await self._start_grpc()

@@ -16,6 +16,7 @@ from eventsource.clock import FakeClock
 from eventsource.election import Election, Leadership, Session, leader_key, observe_leader
 from eventsource.errors import LeaseLost
 from eventsource.etcd import AsyncEtcd, Put
+from handlers.leadership import raise_if_cancelling
 
 TTL = 2
 
@@ -207,3 +208,31 @@ async def test_renew_deadline_counts_from_the_last_send(etcd) -> None:
         await session.close()
     assert session.lost.is_set()
     assert not session.renew_deadline_ok(TTL)
+
+
+async def test_a_swallowed_cancellation_is_still_honoured_by_the_leader_loop() -> None:
+    """Some awaited calls return normally although their task was cancelled (the leader loop
+    once outlived shutdown that way); the loop's check raises the cancellation it missed."""
+
+    async def swallowing_call() -> None:  # what such a library call does
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return
+
+    reached_loop = asyncio.Event()
+
+    async def leader_like() -> None:
+        await swallowing_call()
+        reached_loop.set()
+        while True:
+            raise_if_cancelling()
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(leader_like())
+    await asyncio.sleep(0)  # into swallowing_call
+    task.cancel()
+    await asyncio.wait_for(reached_loop.wait(), 5)
+    done, _ = await asyncio.wait({task}, timeout=5)
+    assert done, "the loop ran on after its cancellation"
+    assert task.cancelled()
