@@ -212,12 +212,14 @@ def _entries(raw: object) -> list[RawEntry]:
 
 
 def reraise_swallowed_cancel() -> None:
-    """Re-raise a cancellation that a Redis call swallowed.
+    """Re-raise a cancellation that an awaited call swallowed.
 
     Measured with redis-py 8.1.0: cancelling a task blocked in ``XREAD BLOCK`` can make the
     call return a normal (empty) answer while ``task.cancelling()`` stays 1, so the task would
     carry on as if never cancelled. Every Redis round trip here ends with this check; inside an
-    ``asyncio.timeout`` block the re-raised error becomes the timeout, as it should.
+    ``asyncio.timeout`` block the re-raised error becomes the timeout, as it should. The leader
+    loop checks it on every pass too: a cancellation that arrived while leadership was being
+    recorded was swallowed the same way, and the loop outlived shutdown.
     """
     task = asyncio.current_task()
     if task is not None and task.cancelling():

@@ -35,21 +35,10 @@ from eventsource.etcd import AsyncEtcd, Compare, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
+from eventsource.stream import reraise_swallowed_cancel
 
 log = logging.getLogger("persys.leader")
 
-
-def raise_if_cancelling() -> None:
-    """Honour a cancellation that an awaited call swallowed.
-
-    Some awaited calls (measured: redis-py's blocking reads; here also a cancellation that
-    arrived while leadership was being recorded) return normally although the task was
-    cancelled, leaving ``task.cancelling()`` set. A loop that only ends on cancellation would
-    then run on: the leader loop outlived shutdown by its 10 s limit in 1 test run in 10.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 #: node ids whose ownership ``LeaderGate.owns`` remembers before it starts over
 OWNERSHIP_MEMO_MAX = 65_536
@@ -244,7 +233,7 @@ class LeaderGate:
         lost = asyncio.ensure_future(session.lost.wait())
         try:
             while self.renew_ok() and not lost.done():
-                raise_if_cancelling()
+                reraise_swallowed_cancel()  # one an awaited call swallowed
                 await asyncio.wait({lost}, timeout=check)
         finally:
             lost.cancel()

@@ -16,7 +16,7 @@ from eventsource.clock import FakeClock
 from eventsource.election import Election, Leadership, Session, leader_key, observe_leader
 from eventsource.errors import LeaseLost
 from eventsource.etcd import AsyncEtcd, Put
-from handlers.leadership import raise_if_cancelling
+from eventsource.stream import reraise_swallowed_cancel
 
 TTL = 2
 
@@ -226,7 +226,7 @@ async def test_a_swallowed_cancellation_is_still_honoured_by_the_leader_loop() -
         await swallowing_call()
         reached_loop.set()
         while True:
-            raise_if_cancelling()
+            reraise_swallowed_cancel()
             await asyncio.sleep(0)
 
     task = asyncio.create_task(leader_like())

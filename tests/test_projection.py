@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,14 @@ def _node(node_id: str, cpu: float = 1.0) -> bytes:
     return encode(Node(node_id=node_id, status="Ready", total_cpu=cpu))
 
 
+def _nodes_projection(etcd: AsyncEtcd, layout: KeyLayout, **options: Any
+                     ) -> PrefixProjection[Node]:
+    """The node projection over ``layout``'s prefix (``options``: metrics, key_filter)."""
+    options.setdefault("metrics", Metrics())
+    return PrefixProjection(etcd, layout.nodes_prefix, lambda _id, raw: decode(Node, raw),
+                            name="nodes", **options)
+
+
 def _assert_snapshot_matches(projection: PrefixProjection[Node]) -> None:
     """``snapshot()`` (what a reconcile cycle plans on) holds exactly the items' values, and
     is a copy that later changes do not reach."""
@@ -33,10 +42,7 @@ def _assert_snapshot_matches(projection: PrefixProjection[Node]) -> None:
 async def test_projection_follows_puts_deletes_and_survives_an_etcd_restart(etcd_private, key_root):
     etcd = AsyncEtcd([etcd_private.endpoint])
     layout = KeyLayout(key_root)
-    metrics = Metrics()
-    projection: PrefixProjection[Node] = PrefixProjection(
-        etcd, layout.nodes_prefix, lambda _id, raw: decode(Node, raw), name="nodes",
-        metrics=metrics, key_filter=lambda item_id: "/" not in item_id)
+    projection = _nodes_projection(etcd, layout, key_filter=lambda item_id: "/" not in item_id)
     for i in range(5):
         await etcd.txn([], [Put(layout.node(f"n{i}"), _node(f"n{i}"))])
     task = asyncio.create_task(projection.run())
@@ -68,9 +74,7 @@ async def test_projection_follows_puts_deletes_and_survives_an_etcd_restart(etcd
 async def test_relist_after_watch_start_revision_was_compacted(etcd_server, key_root):
     etcd = AsyncEtcd([etcd_server.endpoint])
     layout = KeyLayout(key_root)
-    projection: PrefixProjection[Node] = PrefixProjection(
-        etcd, layout.nodes_prefix, lambda _id, raw: decode(Node, raw), name="nodes",
-        metrics=Metrics())
+    projection = _nodes_projection(etcd, layout)
     try:
         await etcd.txn([], [Put(layout.node("a"), _node("a"))])
         kvs, listed_at = await etcd.list_prefix(layout.nodes_prefix)
@@ -98,9 +102,7 @@ async def test_revision_waiters_wake_in_order_and_a_timed_out_one_is_skipped(
         etcd_server, key_root):
     etcd = AsyncEtcd([etcd_server.endpoint])
     layout = KeyLayout(key_root)
-    projection: PrefixProjection[Node] = PrefixProjection(
-        etcd, layout.nodes_prefix, lambda _id, raw: decode(Node, raw), name="nodes",
-        metrics=Metrics())
+    projection = _nodes_projection(etcd, layout)
     try:
         kvs, listed_at = await etcd.list_prefix(layout.nodes_prefix)
         projection.load(kvs, listed_at)
