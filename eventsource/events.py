@@ -142,7 +142,11 @@ class StreamEntry:
 
     @classmethod
     def decode(cls, stream_id: str, data: str | bytes) -> StreamEntry:
-        body = json.loads(data)
+        return cls.from_body(stream_id, json.loads(data))
+
+    @classmethod
+    def from_body(cls, stream_id: str, body: dict[str, Any]) -> StreamEntry:
+        """The entry from its already parsed ``data`` (the tailer parses each entry once)."""
         details = body.get("details") or {}
         return cls(
             stream_id=stream_id,

@@ -181,7 +181,7 @@ class RawEntry:
                 reason="", timestamp="", details={}, revision=0, seq=0, ts=0, prev="",
             )  # fmt: skip
         try:
-            return StreamEntry.decode(self.stream_id, json.dumps(body))
+            return StreamEntry.from_body(self.stream_id, body)
         except (ValueError, TypeError, AttributeError):
             return StreamEntry(
                 stream_id=self.stream_id, event_id=str(body.get("eventId") or ""),

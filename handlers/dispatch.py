@@ -9,7 +9,6 @@ committed state says what should run, and the leader's reconcile loop drives it 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 from typing import Any
 
@@ -18,7 +17,7 @@ from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, NotLeader, StoreError
 from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
-from eventsource.records import WorkloadSpec, WorkloadStatus
+from eventsource.records import WorkloadSpec, WorkloadStatus, copy_record
 from handlers.agents import AgentError, AgentPool
 from handlers.diskattach import (
     detached,
@@ -85,7 +84,7 @@ class Dispatcher:
         only if this replica still leads when its turn comes, and carries the leader term, so
         a replica that lost leadership meanwhile never applies on the new leader's behalf.
         """
-        self._spawn(self._apply(copy.deepcopy(spec), dict(metadata), node_id, desired,
+        self._spawn(self._apply(copy_record(spec), dict(metadata), node_id, desired,
                                 leader_only))
 
     async def _apply(self, spec: WorkloadSpec, metadata: dict[str, Any], node_id: str,

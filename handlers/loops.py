@@ -33,7 +33,6 @@ returns at once with ``skipped="overlap"``.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import math
@@ -50,7 +49,15 @@ from eventsource.commit import Change, retry_on_conflict
 from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import Compare, Delete, Put
 from eventsource.events import Event, rfc3339
-from eventsource.records import Allocation, Assignment, Node, WorkloadSpec, WorkloadStatus, encode
+from eventsource.records import (
+    Allocation,
+    Assignment,
+    Node,
+    WorkloadSpec,
+    WorkloadStatus,
+    copy_record,
+    encode,
+)
 from handlers.agents import AgentError
 from handlers.disruption import EvictionDecision, EvictionGate, EvictionPolicy
 from handlers.reconcile import (
@@ -612,7 +619,7 @@ class ReconcileLoop(_Shell):
             spec = spec_item.value
             if normalize_desired(spec.desired_state) == "Deleted":
                 return False
-            status = copy.deepcopy(status_item.value)
+            status = copy_record(status_item.value)
             placed = c._place(spec, status)
             if isinstance(placed, Outcome):
                 log.debug("reconcile: no node fits workload_id=%s: %s", workload_id,
@@ -871,7 +878,7 @@ class ReconcileLoop(_Shell):
             status_item = self.cluster.statuses.get(wid)
             if spec_item is None or status_item is None:
                 return False, False
-            status = copy.deepcopy(status_item.value)
+            status = copy_record(status_item.value)
             old = node_of(status)
             if old != f.previous_node:
                 return False, False  # someone moved it meanwhile

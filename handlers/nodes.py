@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -32,7 +31,7 @@ from eventsource.events import Event, rfc3339
 from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
-from eventsource.records import Node, Resources, Taint, WorkloadStatus, encode
+from eventsource.records import Node, Resources, Taint, WorkloadStatus, copy_record, encode
 from handlers.authz import Caller, moves_node, refuse_heartbeat, refuse_registration
 from handlers.config import Settings
 from handlers.liveness import RenewalLog, lease_ttl
@@ -112,7 +111,7 @@ def normalize_drivers(drivers: Sequence[str]) -> list[str]:
 
 def _identity(node: Node) -> bytes:
     """The node record without the fields that change on every registration."""
-    clone = copy.deepcopy(node)
+    clone = copy_record(node)
     clone.timestamp = ""
     clone.last_heartbeat = ""
     clone.status_updated_at = ""
@@ -195,7 +194,7 @@ class NodeCommands:
                                                    or self.cluster.alive.get(node_id) is None))
                 if refusal is not None:
                     raise _Refused(refusal)
-            node = copy.deepcopy(previous) if previous else Node(node_id=node_id)
+            node = copy_record(previous) if previous else Node(node_id=node_id)
             # a move to another host was allowed because the node looked lost here: etcd must
             # agree at commit time (no liveness key), or the CAS fails and this is decided again
             moving = caller is not None and previous is not None and moves_node(

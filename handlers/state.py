@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -20,7 +19,7 @@ from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import Compare, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
-from eventsource.records import Node, WorkloadStatus, encode
+from eventsource.records import Node, WorkloadStatus, copy_record, encode
 from projections.cluster import ClusterProjection
 from projections.prefix import PrefixProjection
 
@@ -84,7 +83,7 @@ class StateWriter:
             item = await projection.get_fresh(item_id)
             if item is None:
                 raise NotFound(item_id)
-            record = copy.deepcopy(item.value)
+            record = copy_record(item.value)
             events = mutate(record)
             if events is None:
                 return record, None

@@ -13,7 +13,6 @@ state that includes the winning write.
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from eventsource.records import (
     StatusInfo,
     WorkloadSpec,
     WorkloadStatus,
+    copy_record,
     encode,
 )
 from handlers.batcher import Intent, PlacementBatcher
@@ -230,7 +230,7 @@ class WorkloadCommands:
 
     async def _create(self, parsed: ParsedApply) -> Outcome:
         assert parsed.spec is not None
-        spec = copy.deepcopy(parsed.spec)
+        spec = copy_record(parsed.spec)
         disk_ids = disk_ids_of(parsed.metadata, spec.vm)
         disks = None
         if disk_ids:
@@ -297,8 +297,8 @@ class WorkloadCommands:
         if spec_item is None or status_item is None:
             raise Conflict("workload changed while updating")
         old_spec = spec_item.value
-        spec = copy.deepcopy(old_spec)
-        status = copy.deepcopy(status_item.value)
+        spec = copy_record(old_spec)
+        status = copy_record(status_item.value)
         now = self._now()
         events: list[Event] = []
         compares = [Compare.mod(self.layout.spec(spec.id), spec_item.mod_revision),
@@ -319,7 +319,7 @@ class WorkloadCommands:
                                 details={"desired_state": spec.desired_state},
                                 timestamp=self.clock.now()))
         else:
-            new = copy.deepcopy(parsed.spec)
+            new = copy_record(parsed.spec)
             kept_disks = _disk_volumes(old_spec)
             # a workload stored before disks were attached here (or by the Go version) names
             # them in its metadata only: unchanged if it names the same ones
@@ -410,8 +410,8 @@ class WorkloadCommands:
             status_item = self.cluster.statuses.get(workload_id)
             if spec_item is None:
                 return Outcome(False, "", f"workload {workload_id} not found")
-            spec = copy.deepcopy(spec_item.value)
-            status = copy.deepcopy(status_item.value) if status_item else WorkloadStatus(
+            spec = copy_record(spec_item.value)
+            status = copy_record(status_item.value) if status_item else WorkloadStatus(
                 id=workload_id)
             if spec.desired_state == "Deleted" and status.status == "Deleting":
                 self.dispatcher.delete(workload_id, status.node_id)
@@ -576,7 +576,7 @@ class Relocator:
             status_item = c.cluster.statuses.get(workload_id)
             if spec_item is None or status_item is None:
                 return "gone"
-            status = copy.deepcopy(status_item.value)
+            status = copy_record(status_item.value)
             if status.node_id != from_node or spec_item.value.desired_state == "Deleted":
                 return "gone"
             spec = spec_item.value
@@ -611,7 +611,7 @@ class Relocator:
                                    category="status"))
             old_alloc = c.cluster.allocations.get(from_node)
             if old_alloc is not None and workload_id in old_alloc.value.workloads:
-                record = copy.deepcopy(old_alloc.value)
+                record = old_alloc.value.clone()
                 record.remove(workload_id)
                 change.compares.append(Compare.mod(c.layout.allocation(from_node),
                                                    old_alloc.mod_revision))

@@ -7,7 +7,17 @@ import copy
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eventsource.records import Allocation, decode, encode
+from eventsource.records import (
+    Allocation,
+    Node,
+    ReasonInfo,
+    StatusInfo,
+    Taint,
+    WorkloadStatus,
+    copy_record,
+    decode,
+    encode,
+)
 
 # small, flat strategies: generation must stay cheap (Hypothesis's health check fails a test
 # whose inputs are slow to draw, as a recursive "extra" was on a loaded CI machine)
@@ -37,3 +47,64 @@ def test_allocation_clone_equals_deepcopy_and_shares_nothing(holds, extra, new_i
             value.append("changed")
     assert encode(original) == snapshot, "changing the clone changed the original"
     assert decode(Allocation, snapshot) == original
+
+
+_text = st.sampled_from(["", "a", "linux", "sim-node-1", "ü"])
+_json_leaf = st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | _text
+_json_small = _json_leaf | st.lists(_json_leaf, max_size=3) | st.dictionaries(_text, _json_leaf,
+                                                                              max_size=3)
+
+
+@given(labels=st.dictionaries(_text, _text, max_size=4),
+       taint_keys=st.lists(_text, max_size=3),
+       types=st.lists(_text, max_size=3),
+       extra=st.dictionaries(st.sampled_from(["future", "note"]), _json_small, max_size=2))
+def test_copy_record_of_a_node_equals_deepcopy_and_shares_nothing(labels, taint_keys, types,
+                                                                  extra) -> None:
+    original = Node(node_id="n-1", labels=labels, supported_workload_types=types,
+                    taints=[Taint(key=k, value="v", effect="NoSchedule") for k in taint_keys],
+                    extra=copy.deepcopy(extra))
+    snapshot = encode(original)
+
+    copied = copy_record(original)
+    assert type(copied) is Node
+    assert copied == copy.deepcopy(original) == original
+    assert encode(copied) == snapshot
+
+    copied.labels["changed"] = "yes"
+    copied.supported_workload_types.append("changed")
+    copied.resources.cpu_usage += 1
+    for taint in copied.taints:
+        taint.value = "changed"
+    for value in copied.extra.values():
+        if isinstance(value, list):
+            value.append("changed")
+        elif isinstance(value, dict):
+            value["changed"] = 1
+    assert encode(original) == snapshot, "changing the copy changed the original"
+
+
+@given(metadata=st.dictionaries(_text, _json_small, max_size=3),
+       usage=st.none() | st.dictionaries(_text, _json_leaf, max_size=3),
+       with_reason=st.booleans())
+def test_copy_record_of_a_status_equals_deepcopy_and_shares_nothing(metadata, usage,
+                                                                    with_reason) -> None:
+    original = WorkloadStatus(id="w-1", metadata=copy.deepcopy(metadata), usage=usage,
+                              status_info=StatusInfo(reason=ReasonInfo(code="c") if with_reason
+                                                     else None))
+    snapshot = encode(original)
+
+    copied = copy_record(original)
+    assert copied == copy.deepcopy(original) == original
+
+    copied.metadata["changed"] = ["x"]
+    for value in copied.metadata.values():
+        if isinstance(value, list):
+            value.append("changed")
+    if copied.usage is not None:
+        copied.usage["changed"] = 1
+    copied.retry.attempts += 1
+    copied.status_info.actual_state = "changed"
+    if copied.status_info.reason is not None:
+        copied.status_info.reason.code = "changed"
+    assert encode(original) == snapshot, "changing the copy changed the original"
