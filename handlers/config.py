@@ -54,6 +54,8 @@ def default_instance_id() -> str:
     return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
+EVENT_LOOPS = ("uvloop", "asyncio")
+
 DEFAULT_TLS_CA = "/etc/persys/certs/persys_scheduler/ca.pem"
 DEFAULT_TLS_CERT = "/etc/persys/certs/persys_scheduler/persys_scheduler.crt"
 DEFAULT_TLS_KEY = "/etc/persys/certs/persys_scheduler/persys_scheduler-key.key"
@@ -136,6 +138,8 @@ class Settings:
     instance_id: str = field(default_factory=default_instance_id)
     log_level: str = "info"
     log_format: str = "json"
+    #: ``uvloop`` (libuv-based, cheaper per callback) or ``asyncio`` (the standard loop)
+    event_loop: str = "uvloop"
 
     @property
     def etcd_tls(self) -> EtcdTls | None:
@@ -251,6 +255,9 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
     if not endpoints or any(not e for e in endpoints):
         raise ConfigError("ETCD_ENDPOINTS: empty endpoint in the comma-separated list")
     ha_mode = r.text("SCHEDULER_HA_MODE", "failover").lower()
+    event_loop = r.text("SCHEDULER_EVENT_LOOP", "uvloop").lower()
+    if event_loop not in EVENT_LOOPS:
+        raise ConfigError(f"SCHEDULER_EVENT_LOOP: {event_loop!r} is not 'uvloop' or 'asyncio'")
     if ha_mode not in ("failover", "active-active"):
         raise ConfigError(f"SCHEDULER_HA_MODE: {ha_mode!r} is not 'failover' or 'active-active'")
     shard_count = r.integer("SCHEDULER_SHARD_COUNT", 1, minimum=1, maximum=1024)
@@ -350,6 +357,7 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         instance_id=r.text("SCHEDULER_INSTANCE_ID", "") or default_instance_id(),
         log_level=r.text("LOG_LEVEL", "info").lower(),
         log_format=r.text("LOG_FORMAT", "json").lower(),
+        event_loop=event_loop,
     )
     if settings.node_lease_ttl_s <= settings.heartbeat_interval_s:
         raise ConfigError(

@@ -46,7 +46,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"persys-scheduler: invalid configuration: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
-    return asyncio.run(_serve(settings))
+    from handlers.eventloop import run
+
+    return run(lambda: _serve(settings), settings.event_loop)
 
 
 async def _dev(args: argparse.Namespace) -> int:
@@ -108,7 +110,15 @@ async def _dev(args: argparse.Namespace) -> int:
 
 
 def cmd_dev(args: argparse.Namespace) -> int:
-    return asyncio.run(_dev(args))
+    from handlers.config import EVENT_LOOPS
+    from handlers.eventloop import run
+
+    event_loop = os.environ.get("SCHEDULER_EVENT_LOOP", "uvloop").strip().lower()
+    if event_loop not in EVENT_LOOPS:
+        print(f"persys-scheduler dev: invalid configuration: SCHEDULER_EVENT_LOOP: "
+              f"{event_loop!r} is not 'uvloop' or 'asyncio'", file=sys.stderr)
+        return 2
+    return run(lambda: _dev(args), event_loop)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
