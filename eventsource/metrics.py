@@ -37,6 +37,10 @@ class Metrics:
             "agent_rpc_requests", "agent RPCs (Go name)", ["rpc", "code"],
             namespace=ns, subsystem=sub, registry=r,
         )
+        self.cert_rotations = Counter(
+            "cert_rotations", "Vault PKI certificate issues by why (startup, scheduled, retry, "
+            "forced) and result", ["why", "result"], namespace=ns, subsystem=sub, registry=r,
+        )
         self.agent_rpc_duration = Histogram(
             "agent_rpc_duration_seconds", "agent RPC latency", ["rpc", "code"],
             namespace=ns, subsystem=sub, registry=r,

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,15 @@ KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+#: what grpc's details say when the TLS handshake failed (before any request was sent)
+_HANDSHAKE_WORDS = ("handshake", "certificate", "ssl_error", "tls")
+
+
+def is_handshake_failure(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a failed call never got past the TLS handshake: retrying it cannot apply twice."""
+    text = details.lower()
+    return code == grpc.StatusCode.UNAVAILABLE and any(w in text for w in _HANDSHAKE_WORDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +125,12 @@ class AgentPool:
         leader_term: Callable[[], int | None] = lambda: None,
         guard: Callable[[], None] = lambda: None,
         delete_timeout: float | None = None,
+        cert_rotator: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.metrics = metrics
+        #: asks for a new certificate of our own (``CertManager.force_rotate``); a call that
+        #: failed in the handshake is retried once when it answers True
+        self.cert_rotator = cert_rotator
         self.instance_id = instance_id
         self.rpc_timeout = rpc_timeout
         #: DeleteWorkload's deadline (``SCHEDULER_AGENT_DELETE_TIMEOUT``): stopping a VM takes
@@ -218,6 +231,21 @@ class AgentPool:
 
         ``raw`` (ListWorkloads only) answers the response's bytes, undecoded.
         """
+        try:
+            return await self._call_once(node_id, endpoint, method, request, timeout=timeout,
+                                         leader_only=leader_only, raw=raw)
+        except AgentError as exc:
+            if self.cert_rotator is None or not is_handshake_failure(exc.code, exc.details):
+                raise
+            log.warning("agent %s refused our certificate (%s); asking Vault for a new one",
+                        node_id, exc.details)
+            if not await self.cert_rotator():
+                raise
+        return await self._call_once(node_id, endpoint, method, request, timeout=timeout,
+                                     leader_only=leader_only, raw=raw)
+
+    async def _call_once(self, node_id: str, endpoint: str, method: str, request: Any, *,
+                         timeout: float | None, leader_only: bool, raw: bool) -> Any:
         if leader_only:
             self.guard()
         entry = self._channel(node_id, endpoint)

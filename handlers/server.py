@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import grpc
@@ -29,6 +29,7 @@ from handlers.access import AgentRoleInterceptor
 from handlers.agents import AgentPool, TlsFiles
 from handlers.batcher import PlacementBatcher
 from handlers.buckets import build_buckets
+from handlers.certmanager import CertManager, load_cert_config
 from handlers.config import Settings
 from handlers.disks import DiskCommands
 from handlers.dispatch import Dispatcher
@@ -46,6 +47,7 @@ from handlers.state import StateWriter
 from handlers.supervisor import ModeSupervisor
 from handlers.tls import ServerCertificates
 from handlers.usage import UsageSink
+from handlers.vault import VaultKV
 from handlers.workloads import Relocator, WorkloadCommands
 from projections.cluster import ClusterProjection
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc
@@ -156,10 +158,12 @@ class Scheduler:
             lease_ttl_s=settings.leader_lease_ttl_s,
             renew_deadline_s=settings.leader_renew_deadline_s,
         )
+        self.certs = build_cert_manager(settings, os.environ, self.metrics)
         self.agents = AgentPool(self.metrics, instance_id=settings.instance_id,
                                 rpc_timeout=settings.agent_rpc_timeout_s, tls=tls,
                                 leader_term=lambda: self.leader.term, guard=self.leader.guard,
-                                delete_timeout=settings.agent_delete_timeout_s)
+                                delete_timeout=settings.agent_delete_timeout_s,
+                                cert_rotator=self.certs.force_rotate if self.certs else None)
         self.dispatcher = Dispatcher(pool=self.agents, cluster=self.cluster,
                                      committer=self.committer, writer=self.writer,
                                      clock=self.clock, layout=self.layout,
@@ -236,8 +240,16 @@ class Scheduler:
             "relay": str(relay_status),
         }
 
-    async def start(self) -> None:
-        """Start projections, background tasks, the gRPC server and the HTTP endpoint."""
+    async def start(self, stop: asyncio.Event | None = None) -> None:
+        """Start projections, background tasks, the gRPC server and the HTTP endpoint.
+
+        With Vault certificates, the first one is issued before anything else (retried until it
+        is; ``stop`` set meanwhile ends the start early, with nothing started).
+        """
+        if self.certs is not None:
+            if not await self.certs.ensure(stop=stop):
+                return
+            self.tasks.start("certs", self.certs.run)
         self.tasks.start("projections", self.cluster.run)
         self.tasks.start("mode-supervisor", self.supervisor.run)
         if self.tailer is not None:
@@ -337,6 +349,8 @@ class Scheduler:
         if self.tailer is not None:
             await step("tailer", self.tailer.aclose())
         await step("agents", self.agents.close())
+        if self.certs is not None:
+            await step("certs", self.certs.aclose())
         if self.redis is not None:
             await step("redis", self.redis.aclose())
         if self.usage_redis is not None:
@@ -354,11 +368,27 @@ class Scheduler:
         self.grpc_server = None
 
 
+def build_cert_manager(settings: Settings, env: Mapping[str, str],
+                       metrics: Metrics) -> CertManager | None:
+    """The Vault PKI certificate manager when ``PERSYS_VAULT_ENABLED`` and TLS is used.
+
+    Raises:
+        ConfigError: the Vault settings are incomplete or invalid (naming the variable).
+    """
+    if not settings.vault_enabled or (settings.insecure and not settings.agent_tls_enabled):
+        return None
+    config = load_cert_config(env, cert_path=settings.tls_cert, key_path=settings.tls_key,
+                              ca_path=settings.tls_ca, advertise_ip=settings.advertise_ip)
+    log.info("certificates from vault pki %s/issue/%s at %s for %s", config.mount, config.role,
+             config.vault.addr, config.service_name)
+    return CertManager(config, VaultKV(config.vault, workers=1), metrics)
+
+
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     """Run one replica until ``stop`` is set."""
     scheduler = Scheduler(settings)
     try:
-        await scheduler.start()
+        await scheduler.start(stop)
         await stop.wait()
     finally:
         await scheduler.stop()

@@ -1,4 +1,5 @@
-"""A small async Vault (or OpenBao) KV v2 client for the bucket credentials, over ``hvac``.
+"""A small async Vault (or OpenBao) client over ``hvac``: KV v2 for the bucket credentials, and
+any other call (the PKI issue of the certificate manager) through ``run``.
 
 Why it exists: per-bucket S3 keys are stored in Vault only (never in etcd, logs or events), and
 ``hvac`` is blocking. Every call here runs on this object's own bounded thread pool (``vault``
@@ -145,6 +146,11 @@ class VaultKV:
                 return
 
         await self._run(call, "delete")
+
+    async def run(self, call: Callable[[Any], T], what: str) -> T:
+        """Any other Vault call (``call(client)`` on a vault thread, authenticated, re-login
+        once on 401/403), e.g. the PKI issue of ``handlers/certmanager.py``."""
+        return await self._run(call, what)
 
     async def close(self) -> None:
         """Stop accepting calls and wait for the running ones (each is bounded by timeouts)."""

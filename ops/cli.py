@@ -35,7 +35,11 @@ async def _serve(settings: Settings) -> int:
     from handlers.server import serve
 
     tune_gc()  # this process is the scheduler: its heap is the projections
-    await serve(settings, _stop_event())
+    try:
+        await serve(settings, _stop_event())
+    except ConfigError as exc:  # settings read by the parts that need them (Vault, buckets)
+        print(f"persys-scheduler: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
