@@ -44,14 +44,27 @@ KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
 
 UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
-#: what grpc's details say when the TLS handshake failed (before any request was sent)
-_HANDSHAKE_WORDS = ("handshake", "certificate", "ssl_error", "tls")
+#: grpc's own wording when no connection could be made: the call was never sent
+_NOT_CONNECTED = "failed to connect to all addresses"
+#: what follows it when TCP worked and TLS did not: our side refused the agent's certificate
+#: (handshake/certificate wording), or the agent refused ours (TLS 1.3 reports that as the
+#: socket closing once our side had finished its half of the handshake)
+_TLS_WORDS = ("handshake", "certificate", "ssl_error", "tls", "alert", "socket closed")
 
 
 def is_handshake_failure(code: grpc.StatusCode, details: str) -> bool:
-    """Whether a failed call never got past the TLS handshake: retrying it cannot apply twice."""
+    """Whether a call failed while connecting, in TLS rather than TCP.
+
+    Only grpc's own "failed to connect" counts: such a call never reached the agent, so
+    retrying it cannot apply anything twice. An UNAVAILABLE the agent answered itself (whatever
+    it says about certificates) is not one.
+    """
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return False
     text = details.lower()
-    return code == grpc.StatusCode.UNAVAILABLE and any(w in text for w in _HANDSHAKE_WORDS)
+    if not text.startswith(_NOT_CONNECTED):
+        return False
+    return any(word in text for word in _TLS_WORDS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,19 +34,22 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from eventsource.metrics import Metrics
 from handlers.buckets_config import DEFAULT_APPROLE_MOUNT, VaultConfig
 from handlers.config import ConfigError, parse_duration
+from handlers.tls import unusable
 from handlers.vault import VaultError, VaultKV
 
 __all__ = ["CertConfig", "CertManager", "IssuedCert", "load_cert_config", "rotate_at"]
 
 log = logging.getLogger("persys.certs")
+
+T = TypeVar("T")
 
 #: a certificate is never rotated sooner than this after it was issued (the Go floor)
 MIN_ROTATE_S = 30.0
@@ -121,10 +124,10 @@ def load_cert_config(env: Mapping[str, str], *, cert_path: str, key_path: str, c
         raise ConfigError(f"PERSYS_VAULT_AUTH_METHOD: {method!r} is not 'token' or 'approle'")
     ttl = parse_duration("PERSYS_VAULT_CERT_TTL", get("PERSYS_VAULT_CERT_TTL", "24h"))
     retry = parse_duration("PERSYS_VAULT_RETRY_INTERVAL", get("PERSYS_VAULT_RETRY_INTERVAL", "1m"))
-    if ttl <= 0:
-        raise ConfigError("PERSYS_VAULT_CERT_TTL: must be positive")
-    if retry <= 0:
-        raise ConfigError("PERSYS_VAULT_RETRY_INTERVAL: must be positive")
+    if ttl < 60:
+        raise ConfigError(f"PERSYS_VAULT_CERT_TTL: {ttl:g}s is under the minimum of 1m")
+    if retry < 1:
+        raise ConfigError(f"PERSYS_VAULT_RETRY_INTERVAL: {retry:g}s is under the minimum of 1s")
     ips = ("127.0.0.1",) if not advertise_ip or advertise_ip == "127.0.0.1" else (
         advertise_ip, "127.0.0.1")
     vault = VaultConfig(addr=addr, token=token,
@@ -195,25 +198,27 @@ class CertManager:
         """Issue the first certificate before the server starts; False when ``stop`` was set.
 
         Retries every ``retry_interval_s`` while Vault fails; returns early (leaving the
-        retries to ``run``) when the three files already exist, since a server with an older
-        certificate is better than none.
+        retries to ``run``) when usable files are already there, since a server with an older
+        certificate is better than none. ``stop`` ends the wait at once, also during a Vault
+        call (whose issue then goes on until ``aclose``).
         """
         while True:
-            if await self._issue_once("startup"):
-                return True
-            if self._files_present():
-                log.warning("vault pki: starting with the certificate files already present; "
-                            "retrying every %.0fs", self.config.retry_interval_s)
-                return True
-            log.warning("vault pki: no certificate yet; retrying in %.0fs",
-                        self.config.retry_interval_s)
-            if stop is None:
-                await asyncio.sleep(self.config.retry_interval_s)
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.config.retry_interval_s)
-            if stop.is_set():
+            if stop is not None and stop.is_set():
                 return False
+            issued = await _unless(stop, self._issue_once("startup"))
+            if stop is not None and stop.is_set():
+                return False
+            if issued:
+                return True
+            c = self.config
+            problem = unusable(c.ca_path, c.cert_path, c.key_path)
+            if problem is None:
+                log.warning("vault pki: starting with the certificate files already present; "
+                            "retrying every %.0fs", c.retry_interval_s)
+                return True
+            log.warning("vault pki: no usable certificate yet (%s); retrying in %.0fs", problem,
+                        c.retry_interval_s)
+            await _unless(stop, asyncio.sleep(c.retry_interval_s))
 
     async def run(self) -> None:
         """Rotate on schedule or when forced; retry a failed issuance after the interval."""
@@ -247,11 +252,13 @@ class CertManager:
         return await self._issue_once("forced")
 
     async def aclose(self) -> None:
-        """Cancel and await an issuance in flight (``run`` is cancelled by its owner)."""
+        """Cancel and await an issuance in flight (``run`` is cancelled by its owner), then
+        close the Vault client this manager owns."""
         task = self._issuing
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
+        await self.vault.close()
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _pause(self, seconds: float) -> bool:
@@ -310,19 +317,47 @@ class CertManager:
 
     async def _write(self, issued: IssuedCert) -> None:
         c = self.config
-        staged = await asyncio.get_running_loop().run_in_executor(None, _stage, [
+        staging = asyncio.get_running_loop().run_in_executor(None, _stage, [
             (c.key_path, issued.key_pem, 0o600),
             (c.cert_path, issued.cert_pem, 0o644),
             (c.ca_path, issued.ca_pem, 0o644),
         ])
-        # back to back on the loop: nobody on it sees the new certificate with the old key
+        try:
+            staged = await asyncio.shield(staging)
+        except asyncio.CancelledError:
+            # the thread writes them anyway: no copy of the key may stay behind
+            staging.add_done_callback(_discard)
+            raise
+        # back to back on the loop: nothing on it sees the new certificate with the old key
+        # (the server's reload runs on a grpc thread; a pair it catches mid-rename fails its
+        # check, the last good files stay, and the next handshake loads the new ones)
         for temp, final in staged:
             os.replace(temp, final)
 
-    def _files_present(self) -> bool:
-        c = self.config
-        return all(os.path.isfile(p) and os.path.getsize(p) > 0
-                   for p in (c.cert_path, c.key_path, c.ca_path))
+
+
+async def _unless(stop: asyncio.Event | None, work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s result, or None as soon as ``stop`` is set (``work`` is then cancelled)."""
+    if stop is None:
+        return await work
+    doing = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({doing, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not doing.done():
+            doing.cancel()
+        await asyncio.wait({doing, stopped})
+    return None if doing.cancelled() else doing.result()
+
+
+def _discard(staging: asyncio.Future[list[tuple[str, str]]]) -> None:
+    if staging.cancelled() or staging.exception() is not None:
+        return
+    for temp, _ in staging.result():
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
 
 
 def _stage(files: list[tuple[str, str, int]]) -> list[tuple[str, str]]:

@@ -74,6 +74,15 @@ class ServerCertificates:
         return self._config
 
 
+def unusable(ca: str, cert: str, key: str) -> str | None:
+    """Why the three files cannot serve (missing, unparsable, a key of another pair), or None."""
+    try:
+        _validate(ca, cert, key, _read(ca))
+    except (OSError, ValueError, ssl.SSLError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()

@@ -58,10 +58,17 @@ def test_rotation_is_within_the_lifetime_and_not_before_the_floor(issued: float,
 
 
 @pytest.mark.parametrize(("code", "details", "expected"), [
+    # we refused the agent's certificate
     (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: UNKNOWN: "
      "ipv4:127.0.0.1:1: Ssl handshake failed: SSL_ERROR_SSL: CERTIFICATE_VERIFY_FAILED", True),
+    # the agent refused ours (TLS 1.3)
+    (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: "
+     "UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed", True),
     (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: "
      "UNAVAILABLE: ipv4:127.0.0.1:1: Connection refused", False),
+    # an answer of the agent itself: the call reached it, so it must never be sent again
+    (grpc.StatusCode.UNAVAILABLE, "pull failed: x509: certificate signed by unknown authority",
+     False),
     (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", False),
     (grpc.StatusCode.INTERNAL, "certificate of the workload image is invalid", False),
 ])
@@ -94,6 +101,9 @@ def test_config_takes_the_go_names_and_defaults_and_names_a_bad_variable() -> No
          "PERSYS_VAULT_APPROLE_SECRET_ID"),
         ({"PERSYS_VAULT_AUTH_METHOD": "kerberos"}, "PERSYS_VAULT_AUTH_METHOD"),
         ({"PERSYS_VAULT_TOKEN": "t", "PERSYS_VAULT_CERT_TTL": "soon"}, "PERSYS_VAULT_CERT_TTL"),
+        ({"PERSYS_VAULT_TOKEN": "t", "PERSYS_VAULT_CERT_TTL": "30s"}, "PERSYS_VAULT_CERT_TTL"),
+        ({"PERSYS_VAULT_TOKEN": "t", "PERSYS_VAULT_RETRY_INTERVAL": "1ms"},
+         "PERSYS_VAULT_RETRY_INTERVAL"),
         ({"PERSYS_VAULT_TOKEN": "t", "PERSYS_VAULT_ADDR": "vault:8200"}, "PERSYS_VAULT_ADDR"),
     ]:
         with pytest.raises(ConfigError, match=name):
@@ -227,25 +237,64 @@ async def test_the_schedule_rotates_at_80_percent_of_the_lifetime(
         await manager.aclose()
 
 
-async def test_without_vault_a_start_waits_for_files_or_stops_when_asked(
+async def test_without_vault_a_start_waits_for_usable_files_or_stops_when_asked(
         tmp_path: Path) -> None:
     unreachable = VaultConfig(addr="http://127.0.0.1:9", token="t", timeout_s=2.0)
-    client = VaultKV(unreachable, workers=1)
     config = CertConfig(vault=unreachable, retry_interval_s=0.2,
                         cert_path=str(tmp_path / "c.pem"), key_path=str(tmp_path / "k.pem"),
                         ca_path=str(tmp_path / "ca.pem"))
     metrics = Metrics()
-    manager = CertManager(config, client, metrics)
+    manager = CertManager(config, VaultKV(unreachable, workers=1), metrics)
     try:
         stop = asyncio.Event()
+        waiting = asyncio.create_task(manager.ensure(stop=stop))
+        await wait_for(lambda: _count(metrics, "startup", "failed") >= 2,
+                       message="retries while Vault is down and there are no files")
+        assert not waiting.done()
+        _write({config.cert_path: b"garbage\n", config.key_path: b"garbage\n",
+                config.ca_path: b"garbage\n"})
+        await wait_for(lambda: _count(metrics, "startup", "failed") >= 4,
+                       message="unusable files are not a certificate")
+        assert not waiting.done()
         stop.set()
-        assert await manager.ensure(stop=stop) is False
-        assert _count(metrics, "startup", "failed") == 1
-        _write({config.cert_path: b"existing\n", config.key_path: b"existing\n",
-                config.ca_path: b"existing\n"})
-        assert await manager.ensure() is True, "files already there: start with them"
+        assert await asyncio.wait_for(waiting, timeout=5) is False
+
+        ca = TestCA(tmp_path / "ca")
+        pair = ca.issue("persys-scheduler", names=("127.0.0.1",))
+        _write({config.cert_path: pair.cert, config.key_path: pair.key,
+                config.ca_path: ca.cert})
+        assert await manager.ensure() is True, "usable files already there: start with them"
     finally:
-        await client.close()
+        await manager.aclose()
+
+
+async def test_a_stop_ends_the_start_during_a_vault_call_that_hangs(tmp_path: Path) -> None:
+    """A Vault that accepts connections and never answers holds a call for seconds; asking the
+    process to stop must not wait for it."""
+    accepted = asyncio.Event()
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        accepted.set()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    hanging = VaultConfig(addr=f"http://127.0.0.1:{port}", token="t", timeout_s=30.0)
+    config = CertConfig(vault=hanging, retry_interval_s=0.2, cert_path=str(tmp_path / "c"),
+                        key_path=str(tmp_path / "k"), ca_path=str(tmp_path / "a"))
+    manager = CertManager(config, VaultKV(hanging, workers=1), Metrics())
+    stop = asyncio.Event()
+    try:
+        waiting = asyncio.create_task(manager.ensure(stop=stop))
+        await asyncio.wait_for(accepted.wait(), timeout=10)
+        stop.set()
+        assert await asyncio.wait_for(waiting, timeout=2) is False
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await manager.aclose()
 
 
 async def test_an_agent_that_refuses_our_certificate_gets_a_new_one_and_the_call_is_retried(
@@ -365,3 +414,81 @@ async def test_a_scheduler_serves_and_reaches_agents_with_its_vault_certificate(
         finally:
             await channel.close()
     assert _count(sched.metrics, "startup", "ok") == 1
+
+
+async def _agent(bao: OpenBaoProcess, mount: str, handler) -> tuple[grpc.aio.Server, int, bytes]:
+    """An agent whose certificate comes from Vault's CA and that requires client certificates
+    from that CA; ``handler`` answers ListWorkloads."""
+    issued = bao.api("POST", f"{mount}/issue/{ROLE}", {
+        "common_name": "compute-agent", "ip_sans": "127.0.0.1", "ttl": "1h"})["data"]
+    vault_ca = issued["issuing_ca"].encode()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "persys.agent.v1.AgentService",
+        {"ListWorkloads": grpc.unary_unary_rpc_method_handler(handler)}),))
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(issued["private_key"].encode(), issued["certificate"].encode())],
+        root_certificates=vault_ca, require_client_auth=True))
+    await server.start()
+    return server, port, vault_ca
+
+
+async def test_an_agent_that_refuses_our_client_certificate_gets_a_new_one(
+        openbao_server: OpenBaoProcess, pki_mount: str, vault: VaultKV, tmp_path: Path) -> None:
+    """Our CA file trusts the agent, but our certificate is from another CA: the agent refuses
+    it (TLS 1.3 shows that as a closed socket while connecting); a new one, and one retry."""
+    calls = []
+
+    async def list_workloads(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        calls.append(1)
+        return b""
+
+    server, port, vault_ca = await _agent(openbao_server, pki_mount, list_workloads)
+    config = _config(openbao_server, pki_mount, tmp_path)
+    old_ca = TestCA(tmp_path / "old-ca")
+    old = old_ca.issue("persys-scheduler", names=("127.0.0.1",))
+    _write({config.ca_path: vault_ca, config.cert_path: old.cert, config.key_path: old.key})
+    metrics = Metrics()
+    manager = CertManager(config, vault, metrics)
+    tls = TlsFiles(config.ca_path, config.cert_path, config.key_path)
+    pool = AgentPool(metrics, instance_id="test", rpc_timeout=10.0, tls=tls,
+                     cert_rotator=manager.force_rotate)
+    try:
+        await pool.list_workloads_raw("node-1", f"127.0.0.1:{port}")
+
+        assert calls == [1]
+        assert _count(metrics, "forced", "ok") == 1
+    finally:
+        await pool.close()
+        await server.stop(None)
+
+
+async def test_an_agent_answer_about_certificates_is_never_sent_twice(
+        openbao_server: OpenBaoProcess, pki_mount: str, vault: VaultKV, tmp_path: Path) -> None:
+    """UNAVAILABLE from the agent itself, mentioning a certificate: the call reached the agent,
+    so neither a new certificate nor a second call."""
+    calls = []
+
+    async def list_workloads(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        calls.append(1)
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            "pull failed: x509: certificate signed by unknown authority")
+        return b""
+
+    server, port, _ = await _agent(openbao_server, pki_mount, list_workloads)
+    config = _config(openbao_server, pki_mount, tmp_path)
+    metrics = Metrics()
+    manager = CertManager(config, vault, metrics)
+    assert await manager.ensure()
+    tls = TlsFiles(config.ca_path, config.cert_path, config.key_path)
+    pool = AgentPool(metrics, instance_id="test", rpc_timeout=10.0, tls=tls,
+                     cert_rotator=manager.force_rotate)
+    try:
+        with pytest.raises(AgentError, match="x509"):
+            await pool.list_workloads_raw("node-1", f"127.0.0.1:{port}")
+
+        assert calls == [1]
+        assert _count(metrics, "forced", "ok") + _count(metrics, "forced", "failed") == 0
+    finally:
+        await pool.close()
+        await server.stop(None)
