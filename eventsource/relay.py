@@ -55,7 +55,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -75,6 +75,7 @@ from eventsource.etcd import AsyncEtcd, Compare, Delete, KeyValue, Put, b64
 from eventsource.events import Event, entry_data
 from eventsource.keys import KeyLayout, prefix_end
 from eventsource.metrics import Metrics
+from eventsource.racing import race
 from eventsource.stream import (
     ZERO_ID,
     RedisEventLog,
@@ -396,7 +397,7 @@ class Relay:
             while not self._closing.is_set():
                 self._led = False
                 try:
-                    finished = await _race(self._term(), self._closing)
+                    finished, _ = await race(self._term(), self._closing)
                 except StoreError as exc:
                     log.warning("relay %s: term ended: %r", self.instance_id, exc)
                     finished = True
@@ -404,7 +405,7 @@ class Relay:
                     break
                 # a term that led ended by a loss: campaign again promptly; else back off
                 delay = self._retry_min if self._led else min(delay * 2, self._retry_max)
-                await _race(asyncio.sleep(delay), self._closing)
+                await race(asyncio.sleep(delay), self._closing)
         finally:
             self._status = "stopped"
             self.term = 0
@@ -433,7 +434,8 @@ class Relay:
             self._status, self.term, self._led = "leader", lead.term, True
             log.info("relay %s leads (term %d)", self.instance_id, lead.term)
             try:
-                if not await _race(self._lead(lead), session.lost):
+                led_to_the_end, _ = await race(self._lead(lead), session.lost)
+                if not led_to_the_end:
                     raise LeaseLost(f"relay lease lost: {session.lost_reason}")
             finally:
                 self._status, self.term = "standby", 0
@@ -787,25 +789,3 @@ def _merge_overflow(gaps: list[PendingGap], dropped: Sequence[OutboxRecord]) -> 
         cause=CAUSE_OVERFLOW,
     )
     return [*gaps, gap]
-
-
-async def _race(work: Coroutine[Any, Any, None], event: asyncio.Event) -> bool:
-    """Run ``work`` until it ends (True) or ``event`` is set first (False, work cancelled).
-
-    ``work``'s exception propagates. Both tasks are always cancelled and awaited, also when
-    the caller is cancelled.
-    """
-    task = asyncio.create_task(work)
-    waiter = asyncio.create_task(event.wait())
-    try:
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-        task.cancel()
-        await asyncio.wait({task, waiter})
-    if task.cancelled():
-        return False
-    exc = task.exception()
-    if exc is not None:
-        raise exc
-    return True

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from eventsource.metrics import Metrics
+from eventsource.racing import race
 from handlers.buckets_config import DEFAULT_APPROLE_MOUNT, VaultConfig
 from handlers.config import ConfigError, parse_duration
 from handlers.tls import unusable
@@ -340,16 +341,8 @@ async def _unless(stop: asyncio.Event | None, work: Coroutine[Any, Any, T]) -> T
     """``work``'s result, or None as soon as ``stop`` is set (``work`` is then cancelled)."""
     if stop is None:
         return await work
-    doing = asyncio.ensure_future(work)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({doing, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-        if not doing.done():
-            doing.cancel()
-        await asyncio.wait({doing, stopped})
-    return None if doing.cancelled() else doing.result()
+    _, result = await race(work, stop)
+    return result
 
 
 def _discard(staging: asyncio.Future[list[tuple[str, str]]]) -> None:

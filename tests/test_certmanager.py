@@ -297,27 +297,34 @@ async def test_a_stop_ends_the_start_during_a_vault_call_that_hangs(tmp_path: Pa
         await manager.aclose()
 
 
+async def _agent(bao: OpenBaoProcess, mount: str, handler) -> tuple[grpc.aio.Server, int, bytes]:
+    """An agent whose certificate comes from Vault's CA and that requires client certificates
+    from that CA; ``handler`` answers ListWorkloads."""
+    issued = bao.api("POST", f"{mount}/issue/{ROLE}", {
+        "common_name": "compute-agent", "ip_sans": "127.0.0.1", "ttl": "1h"})["data"]
+    vault_ca = issued["issuing_ca"].encode()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "persys.agent.v1.AgentService",
+        {"ListWorkloads": grpc.unary_unary_rpc_method_handler(handler)}),))
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(issued["private_key"].encode(), issued["certificate"].encode())],
+        root_certificates=vault_ca, require_client_auth=True))
+    await server.start()
+    return server, port, vault_ca
+
+
 async def test_an_agent_that_refuses_our_certificate_gets_a_new_one_and_the_call_is_retried(
         openbao_server: OpenBaoProcess, pki_mount: str, vault: VaultKV, tmp_path: Path) -> None:
     """The agent's certificate comes from Vault's CA; the scheduler still holds files from an
     older CA, so the handshake fails; the pool asks for a new certificate and retries once."""
-    agent = openbao_server.api("POST", f"{pki_mount}/issue/{ROLE}", {
-        "common_name": "compute-agent", "ip_sans": "127.0.0.1", "ttl": "1h"})["data"]
-    vault_ca = agent["issuing_ca"].encode()
     answer = agent_pb2.ListWorkloadsResponse(
         workloads=[agent_pb2.WorkloadStatus(id="w-1")]).SerializeToString()
 
     async def list_workloads(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return answer
 
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "persys.agent.v1.AgentService",
-        {"ListWorkloads": grpc.unary_unary_rpc_method_handler(list_workloads)}),))
-    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
-        [(agent["private_key"].encode(), agent["certificate"].encode())],
-        root_certificates=vault_ca, require_client_auth=True))
-    await server.start()
+    server, port, vault_ca = await _agent(openbao_server, pki_mount, list_workloads)
 
     config = _config(openbao_server, pki_mount, tmp_path)
     old_ca = TestCA(tmp_path / "old-ca")
@@ -414,23 +421,6 @@ async def test_a_scheduler_serves_and_reaches_agents_with_its_vault_certificate(
         finally:
             await channel.close()
     assert _count(sched.metrics, "startup", "ok") == 1
-
-
-async def _agent(bao: OpenBaoProcess, mount: str, handler) -> tuple[grpc.aio.Server, int, bytes]:
-    """An agent whose certificate comes from Vault's CA and that requires client certificates
-    from that CA; ``handler`` answers ListWorkloads."""
-    issued = bao.api("POST", f"{mount}/issue/{ROLE}", {
-        "common_name": "compute-agent", "ip_sans": "127.0.0.1", "ttl": "1h"})["data"]
-    vault_ca = issued["issuing_ca"].encode()
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "persys.agent.v1.AgentService",
-        {"ListWorkloads": grpc.unary_unary_rpc_method_handler(handler)}),))
-    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
-        [(issued["private_key"].encode(), issued["certificate"].encode())],
-        root_certificates=vault_ca, require_client_auth=True))
-    await server.start()
-    return server, port, vault_ca
 
 
 async def test_an_agent_that_refuses_our_client_certificate_gets_a_new_one(
