@@ -367,7 +367,7 @@ def _stage(files: list[tuple[str, str, int]]) -> list[tuple[str, str]]:
                 out.write(content)
                 out.flush()
                 os.fsync(out.fileno())
-    except BaseException:
+    except BaseException:  # any failure, cancellation included: no key copy stays behind
         for temp, _ in staged:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
