@@ -121,7 +121,13 @@ class StateWriter:
         self, node_id: str, mutate: Mutator[Node], *, kind: str = "node", fenced: bool = False,
     ) -> tuple[Node, Committed | None]:
         def status_key(node: Node) -> list[Put]:
-            return [Put(self.layout.node_status(node_id), node.status.encode(), category="node")]
+            # the Go version's status string, rewritten only when it differs: an unchanged put
+            # would cost etcd a write and every root watcher an event per label or taint change
+            stored = self.cluster.node_statuses.get(f"{node_id}/status")
+            value = node.status.encode()
+            if stored is not None and stored.value == value:
+                return []
+            return [Put(self.layout.node_status(node_id), value, category="node")]
 
         return await self._update(
             self.cluster.nodes, node_id, self.layout.node(node_id), "node", mutate,

@@ -53,6 +53,19 @@ def _decode_alive(item_id: str, raw: bytes) -> bytes | None:
     return raw
 
 
+def _decode_node_status(item_id: str, raw: bytes) -> bytes | None:
+    return raw
+
+
+def _is_node_record(item_id: str) -> bool:
+    return "/" not in item_id
+
+
+def _is_node_status(item_id: str) -> bool:
+    node_id, _, leaf = item_id.partition("/")
+    return bool(node_id) and leaf == "status"
+
+
 def node_of(status: WorkloadStatus) -> str:
     return status.node_id or status.assigned_node
 
@@ -190,7 +203,13 @@ class ClusterProjection:
         self.layout = layout
         self.nodes: PrefixProjection[Node] = PrefixProjection(
             etcd, layout.nodes_prefix, _decode_node, name="nodes", metrics=metrics,
-            key_filter=lambda item_id: "/" not in item_id,
+            key_filter=_is_node_record,
+        )
+        #: the Go version's ``/nodes/<id>/status`` strings (item id ``<id>/status``), so a node
+        #: update rewrites that key only when it differs from the record's status
+        self.node_statuses: PrefixProjection[bytes] = PrefixProjection(
+            etcd, layout.nodes_prefix, _decode_node_status, name="node_statuses",
+            metrics=metrics, key_filter=_is_node_status,
         )
         self.specs: PrefixProjection[WorkloadSpec] = PrefixProjection(
             etcd, layout.specs_prefix, _decode_spec, name="specs", metrics=metrics,
@@ -211,7 +230,8 @@ class ClusterProjection:
 
     @property
     def projections(self) -> list[PrefixProjection[object]]:
-        return [self.nodes, self.specs, self.statuses, self.allocations, self.alive]  # type: ignore[list-item]
+        return [self.nodes, self.node_statuses, self.specs, self.statuses,  # type: ignore[list-item]
+                self.allocations, self.alive]
 
     def is_ready(self) -> bool:
         return all(p.ready.is_set() for p in self.projections)
@@ -236,10 +256,13 @@ class ClusterProjection:
         """List every prefix at one revision, so all projections start from the same state."""
         first = self.projections[0]
         kvs, revision = await self.etcd.list_prefix(first.prefix)
+        listed = {first.prefix: kvs}
         loaded = [(first, kvs)]
         for projection in self.projections[1:]:
-            more, _ = await self.etcd.list_prefix(projection.prefix, revision=revision)
-            loaded.append((projection, more))
+            if projection.prefix not in listed:
+                listed[projection.prefix], _ = await self.etcd.list_prefix(
+                    projection.prefix, revision=revision)
+            loaded.append((projection, listed[projection.prefix]))
         for projection, items in loaded:
             projection.load(items, revision)
 
@@ -255,9 +278,9 @@ class ClusterProjection:
         for event in batch.events:
             key = event.kv.key
             for projection in projections:
+                # two projections share /nodes/ (records and status strings), so no break
                 if key.startswith(projection.prefix):
                     routed.setdefault(projection.name, []).append(event)
-                    break
         for projection in projections:
             projection.apply(WatchBatch(batch.revision, routed.get(projection.name, [])))
 
