@@ -9,6 +9,9 @@ together. Correctness does not depend on the batching:
   allocation (the projection, or this batcher's own last commit if that is newer) plus the
   batch's additions, and the fit is re-checked there; an intent that no longer fits is sent
   back to its caller as a ``Conflict`` (it re-decides);
+* an intent whose node record changed since the decision (drained, tainted, NotReady) goes
+  back to its caller as a ``Conflict``, so the flush never commits a decision the node no
+  longer allows;
 * the transaction compares each touched allocation's and node's revision, and each new
   workload's absence, so a batch built on stale state fails as a whole;
 * a failed batch is rebuilt once on fresh state; if it fails again every intent goes back to
@@ -54,6 +57,9 @@ class Intent:
     compares: list[Compare]
     puts: list[Put]
     events: list[Event]
+    #: the node record's mod revision the decision saw: a drain, taint or status change that
+    #: lands before the flush sends the intent back to be decided again
+    node_mod: int = 0
     #: committed in a transaction of its own: it compares keys other workloads' intents may
     #: also compare (a disk), and one of those failing would fail every intent batched with it
     alone: bool = False
@@ -159,6 +165,12 @@ class PlacementBatcher:
             node_item = self.cluster.nodes.get(intent.node_id)
             if node_item is None:
                 settle(intent.future, error=Conflict("node vanished"))
+                continue
+            if intent.node_mod and node_item.mod_revision != intent.node_mod:
+                # the flush compares the node as it is now; a decision taken on an older
+                # record (before a drain or a NoSchedule taint) must not ride on that compare
+                settle(intent.future, error=Conflict(f"{intent.node_id} changed after the "
+                                                     "decision"))
                 continue
             if intent.node_id not in allocations:
                 allocations[intent.node_id] = self._base(intent.node_id)

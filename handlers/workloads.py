@@ -89,6 +89,8 @@ class _Placed:
     spec: WorkloadSpec
     status: WorkloadStatus
     extra_events: list[Event] = field(default_factory=list)
+    #: the chosen node's record revision the decision saw
+    node_mod: int = 0
 
 
 def required_drivers(spec: WorkloadSpec) -> frozenset[str]:
@@ -226,7 +228,8 @@ class WorkloadCommands:
                 Put(self.layout.allocation(node_id), encode(allocation), category="allocation"),
             ],
         )
-        return _Placed(change, node_id, decision.reason, spec, status)
+        return _Placed(change, node_id, decision.reason, spec, status,
+                       node_mod=node_item.mod_revision)
 
     async def _create(self, parsed: ParsedApply) -> Outcome:
         assert parsed.spec is not None
@@ -260,6 +263,7 @@ class WorkloadCommands:
                                     if disks else ([], []))
         intent = Intent(
             workload_id=spec.id, node_id=placed.node_id, cpu_m=cpu_m, mem_mb=mem_mb,
+            node_mod=placed.node_mod,
             compares=[Compare.absent(self.layout.spec(spec.id)),
                       Compare.absent(self.layout.status(spec.id)), *disk_compares],
             puts=[Put(self.layout.spec(spec.id), encode(spec), category="spec"),

@@ -105,3 +105,37 @@ async def test_concurrent_large_specs_are_each_committed(
         answers = await asyncio.gather(*(apply(i) for i in range(4)))
         assert [a.error_message for a in answers if not a.success] == []
         assert all(a.success for a in answers)
+
+
+async def test_a_node_drained_after_the_decision_is_not_committed_to(
+    etcd_server, redis_server, key_root, stream_key
+):
+    """A placement queued for the group commit when its node is drained (or tainted) goes back
+    to be decided again: the flush's node compare sees the drained record, so only the
+    decision-time revision can tell the decision is stale."""
+    s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
+    async with (
+        running_scheduler(s) as a,
+        running_fleet(f"127.0.0.1:{a.grpc_port}", 2) as fleet,
+        control_stub(f"127.0.0.1:{a.grpc_port}") as stub,
+    ):
+        await fleet.wait_registered()
+        await wait_for(lambda: len(a.cluster.alive.items) == 2, timeout=15, message="alive")
+        submit = a.batcher.submit
+        drained: list[str] = []
+
+        async def drain_then_submit(intent):  # type: ignore[no-untyped-def]
+            # the operator's drain commits between the decision and the flush
+            if not drained:
+                drained.append(intent.node_id)
+                await a.nodes.drain(intent.node_id, "maintenance")
+            return await submit(intent)
+
+        a.batcher.submit = drain_then_submit  # type: ignore[method-assign]
+        resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-drain", spec=container_spec()))
+        assert resp.success, resp
+        assert a.cluster.nodes.get(drained[0]).value.status == "Draining"  # type: ignore[union-attr]
+        await wait_for(lambda: a.cluster.statuses.get("w-drain") is not None, timeout=10,
+                       message="the placement in the projection")
+        assert a.cluster.statuses.get("w-drain").value.node_id != drained[0]  # type: ignore[union-attr]
