@@ -18,6 +18,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 from eventsource.errors import Compacted, StoreError, Unavailable, WatchCanceled
 from eventsource.etcd import AsyncEtcd
@@ -230,8 +231,9 @@ class ClusterProjection:
 
     @property
     def projections(self) -> list[PrefixProjection[object]]:
-        return [self.nodes, self.node_statuses, self.specs, self.statuses,  # type: ignore[list-item]
-                self.allocations, self.alive]
+        every: list[Any] = [self.nodes, self.node_statuses, self.specs, self.statuses,
+                            self.allocations, self.alive]
+        return every
 
     def is_ready(self) -> bool:
         return all(p.ready.is_set() for p in self.projections)
