@@ -300,11 +300,12 @@ class RedisEventLog:
         """XADD ``(id, data)`` pairs in one pipeline, in order, with ``MAXLEN ~ maxlen``.
 
         Idempotent: an id that Redis rejects as "equal or smaller" is accepted only when
-        ``XRANGE id id`` holds the same ``eventId`` (a previous attempt already appended it).
+        ``XRANGE id id`` holds the same ``eventId`` (a previous attempt already appended it),
+        or when it lies below the oldest entry (appended, then trimmed by retention).
 
         Raises:
-            StreamIdConflict: an id is taken by another event, or lies below the top but is
-                absent (trimmed, or a stream not written from our outbox).
+            StreamIdConflict: an id is taken by another event, or lies between the oldest
+                entry and the top but is absent (a stream not written from our outbox).
             RedisUnavailable: Redis failed; some entries may have been appended, which a retry
                 of the same batch recognises.
         """
@@ -333,21 +334,34 @@ class RedisEventLog:
             await self._confirm_present(rejected)
 
     async def _confirm_present(self, rejected: list[tuple[str, str]]) -> None:
+        """Each rejected id holds our event, or lies below the oldest entry: retention
+        trimmed it after an earlier attempt appended it (a relay that crashed before its mark
+        moved re-sends up to two batches, and a small MAXLEN or a short TTL may have trimmed
+        them meanwhile). Only an id above the oldest entry that holds something else, or
+        nothing, is a conflict."""
         async with self._call("XRANGE"):
             pipe = self._client.pipeline(transaction=False)
+            pipe.xrange(self.key, min="-", max="+", count=1)
             for stream_id, _ in rejected:
                 pipe.xrange(self.key, min=stream_id, max=stream_id, count=1)
-            found = await pipe.execute()
+            first_raw, *found = await pipe.execute()
+        oldest = _entries(first_raw)
         for (stream_id, data), raw in zip(rejected, found, strict=True):
             ours = RawEntry(stream_id, {"data": data}).event_id
             present = _entries(raw)
             theirs = present[0].event_id if present else None
-            if ours is None or theirs != ours:
-                held = f"event {theirs}" if present else "no entry (trimmed or never written)"
-                raise StreamIdConflict(
-                    f"stream {self.key}: XADD {stream_id} rejected as equal or smaller than "
-                    f"the top, and the stream holds {held} there instead of event {ours}"
-                )
+            if ours is not None and theirs == ours:
+                continue
+            if ours is not None and not present and (
+                    not oldest or id_key(stream_id) < id_key(oldest[0].stream_id)):
+                log.info("stream %s: %s already appended and since trimmed", self.key,
+                         stream_id)
+                continue
+            held = f"event {theirs}" if present else "no entry (and it is not below the oldest)"
+            raise StreamIdConflict(
+                f"stream {self.key}: XADD {stream_id} rejected as equal or smaller than "
+                f"the top, and the stream holds {held} there instead of event {ours}"
+            )
 
     # -- reading ------------------------------------------------------------------------------
     async def top(self) -> RawEntry | None:

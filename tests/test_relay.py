@@ -292,6 +292,41 @@ async def test_crash_between_xadd_and_mark_loses_and_duplicates_nothing(
     assert (await mark_of(etcd, layout)).last_id == expected[-1]
 
 
+async def test_entries_trimmed_before_the_mark_moved_are_not_a_foreign_stream(
+    etcd, layout, metrics, committer, relays, log, writer
+) -> None:
+    """A relay that crashed between XADD and its mark re-sends those entries; if retention
+    trimmed them meanwhile (a small MAXLEN, a short TTL), Redis rejects them as below the top
+    and holds nothing there. That is our own history, trimmed: the stream stays."""
+    expected = await commit(committer, 40)
+    blocked = asyncio.Event()
+    calls = 0
+
+    async def crash_on_second_batch(ids: Sequence[str]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            blocked.set()
+            await asyncio.Event().wait()  # until the relay task is cancelled
+
+    _, task = relays.start(log, batch=20, after_append=crash_on_second_batch)
+    await wait_for(blocked.is_set, message="relay never reached its second batch")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert (await mark_of(etcd, layout)).last_id == expected[19]
+    await writer.xtrim(log.key, maxlen=5, approximate=False)  # retention, exact for the test
+
+    expected += await commit(committer, 5)
+    relays.start(log, batch=20)
+    await wait_for(lambda: relayed(log, etcd, layout, 10), message="events not relayed")
+    entries = await everything(log)
+    assert [e.stream_id for e in entries] == expected[35:]
+    assert_chain(entries, first_prev=expected[34])
+    assert not any(e.type == "EventsGap" for e in entries)
+    assert await writer.keys(f"{log.key}:foreign:*") == []
+    assert sample(metrics, "foreign_streams_moved") == 0
+
+
 async def test_foreign_stream_is_moved_aside(
     etcd, layout, metrics, committer, relays, log, writer
 ) -> None:
