@@ -28,11 +28,19 @@ from handlers.diskattach import (
     used_by,
 )
 from handlers.retry import is_vm
-from handlers.specs import CONVERSION_ERRORS, agent_apply_request
+from handlers.specs import (
+    CONVERSION_ERRORS,
+    agent_apply_request,
+    being_deleted,
+    normalize_desired_state,
+)
 from handlers.state import NotFound, StateWriter
-from projections.cluster import ClusterProjection
+from projections.cluster import ClusterProjection, node_of
 
 log = logging.getLogger("persys.dispatch")
+
+#: how long a queued apply waits for this replica's projection to show the commit behind it
+PROJECTION_WAIT_S = 10.0
 
 
 class Dispatcher:
@@ -77,19 +85,52 @@ class Dispatcher:
 
     # -- apply ------------------------------------------------------------------------------
     def apply(self, spec: WorkloadSpec, metadata: dict[str, Any], node_id: str,
-              desired: str, *, leader_only: bool = False) -> None:
+              desired: str, *, after: int = 0, leader_only: bool = False) -> None:
         """Send the apply in an owned task.
 
-        ``leader_only``: the change was committed by a leader loop (fenced); the apply is sent
-        only if this replica still leads when its turn comes, and carries the leader term, so
-        a replica that lost leadership meanwhile never applies on the new leader's behalf.
+        ``after``: the revision that committed this apply. Just before the call the projection
+        is brought to it and the apply is dropped if the workload has moved on meanwhile
+        (deleted, moved, updated or stopped): a queued apply must not bring back a workload
+        deleted while it waited. ``leader_only``: the change was committed by a leader loop
+        (fenced); the apply is sent only if this replica still leads when its turn comes, and
+        carries the leader term, so a replica that lost leadership meanwhile never applies on
+        the new leader's behalf.
         """
         self._spawn(self._apply(copy_record(spec), dict(metadata), node_id, desired,
-                                leader_only))
+                                after, leader_only))
+
+    async def _still_wanted(self, spec: WorkloadSpec, node_id: str, desired: str,
+                            after: int) -> str | None:
+        """None when the apply still stands; otherwise why it is dropped."""
+        if after:
+            try:
+                await self.cluster.wait_for(after, timeout=PROJECTION_WAIT_S,
+                                            which=("specs", "statuses"))
+            except StoreError as exc:
+                return f"state not readable ({exc}); the reconcile loop applies it"
+        spec_item = self.cluster.specs.get(spec.id)
+        status_item = self.cluster.statuses.get(spec.id)
+        if spec_item is None or status_item is None:
+            return "the workload is gone"
+        current, status = spec_item.value, status_item.value
+        if being_deleted(current, status):
+            return "the workload is being deleted"
+        if node_of(status) != node_id:
+            return f"the workload moved to {node_of(status) or 'no node'}"
+        if current.revision_id != spec.revision_id or (
+                normalize_desired_state(current.desired_state)
+                != normalize_desired_state(desired)):
+            return "a newer spec superseded it (its own apply follows)"
+        return None
 
     async def _apply(self, spec: WorkloadSpec, metadata: dict[str, Any], node_id: str,
-                     desired: str, leader_only: bool = False) -> None:
+                     desired: str, after: int = 0, leader_only: bool = False) -> None:
         async with self._sem:
+            why_not = await self._still_wanted(spec, node_id, desired, after)
+            if why_not is not None:
+                log.info("apply not sent workload_id=%s node_id=%s: %s", spec.id, node_id,
+                         why_not)
+                return
             endpoint = self.endpoint(node_id)
             if endpoint is None:
                 return

@@ -91,7 +91,6 @@ from handlers.reconcile import (
     node_facts,
     node_of,
     node_view,
-    normalize_desired,
     observed_from_agent,
     owns_workload,
     plan_node,
@@ -113,7 +112,14 @@ from handlers.retry import (
     failure_counted,
     is_vm,
 )
-from handlers.specs import CONVERSION_ERRORS, agent_apply_request, request_of
+from handlers.specs import (
+    CONVERSION_ERRORS,
+    DELETING_STATUSES,
+    agent_apply_request,
+    being_deleted,
+    normalize_desired_state,
+    request_of,
+)
 from handlers.state import NotFound
 from handlers.workloads import Outcome, mark_apply_requested
 from proto.persys.agent.v1 import agent_pb2
@@ -617,7 +623,7 @@ class ReconcileLoop(_Shell):
             if spec_item is None or status_item is None or node_of(status_item.value):
                 return False
             spec = spec_item.value
-            if normalize_desired(spec.desired_state) == "Deleted":
+            if normalize_desired_state(spec.desired_state) == "Deleted":
                 return False
             status = copy_record(status_item.value)
             placed = c._place(spec, status)
@@ -647,7 +653,8 @@ class ReconcileLoop(_Shell):
             # show the placement first, or that record would find nothing to update
             await self.cluster.wait_for(committed.revision, which=("statuses",))
             self.dispatcher.apply(spec, placed.status.metadata, placed.node_id,
-                                  spec.desired_state, leader_only=True)
+                                  spec.desired_state, after=committed.revision,
+                                  leader_only=True)
             return True
 
         return await retry_on_conflict(attempt)
@@ -672,7 +679,9 @@ class ReconcileLoop(_Shell):
         if spec_item is None or status_item is None or view is None:
             return False
         spec = spec_item.value
-        if node_of(status_item.value) != node_id:
+        if node_of(status_item.value) != node_id or being_deleted(spec, status_item.value):
+            # the plan is older than this moment: a delete committed since (by any replica)
+            # must not be undone by the apply the plan asked for
             return False
         desired = STOPPED if action.kind == APPLY_STOPPED else "Running"
         try:
@@ -705,7 +714,7 @@ class ReconcileLoop(_Shell):
         revision = request.revision_id
 
         def mutate(status: WorkloadStatus) -> list[Event] | None:
-            if node_of(status) != node_id:
+            if node_of(status) != node_id or status.status in DELETING_STATUSES:
                 return None
             meta = status.metadata
             meta.update(agent_meta)

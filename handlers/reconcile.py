@@ -43,6 +43,7 @@ from handlers.retry import (
     reapply_guard,
     retry_wait,
 )
+from handlers.specs import being_deleted, normalize_desired_state
 from handlers.workloads import is_node_local
 
 RUNNING = "Running"
@@ -67,14 +68,6 @@ AGENT_STATES = {0: UNKNOWN, 1: PENDING, 2: RUNNING, 3: STOPPED, 4: FAILED, 5: UN
 COMPARABLE_STATUSES = frozenset({PENDING, RUNNING, STOPPED, FAILED, UNKNOWN, "Scheduled"})
 
 
-def normalize_desired(value: str) -> str:
-    """E2: stop/stopped -> Stopped; delete/deleted -> Deleted; anything else -> Running."""
-    v = value.strip().lower()
-    if v in ("stop", "stopped"):
-        return STOPPED
-    if v in ("delete", "deleted"):
-        return DELETED
-    return RUNNING
 
 
 def node_of(status: WorkloadStatus) -> str:
@@ -237,7 +230,7 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
     """
     wid = spec.id or status.id
     node = node_of(status)
-    desired = normalize_desired(spec.desired_state)
+    desired = normalize_desired_state(spec.desired_state)
     actual = observed.state if observed is not None else MISSING
 
     def act(kind: str, reason: str = "") -> Action:
@@ -317,7 +310,7 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
     return act(NOOP)
 
 
-#: ``desiredState`` spellings that ``normalize_desired`` reads as Running, checked verbatim
+#: ``desiredState`` spellings that ``normalize_desired_state`` reads as Running, checked verbatim
 RUNNING_SPELLINGS = frozenset({RUNNING, "running", ""})
 #: status metadata any of which sends a workload down the full decision
 _NOT_STEADY_KEYS = SUCCESS_CLEARS | HALT_KEYS
@@ -609,8 +602,7 @@ def classify_drift(
             status = statuses.get(wid)
             if spec is None or status is None or node_of(status) != node_id:
                 continue
-            if normalize_desired(spec.desired_state) == DELETED or status.status in (
-                    "Deleting", "Deleted"):
+            if being_deleted(spec, status):
                 continue
             if _in_flight(spec, status, now, policy):
                 continue
@@ -623,7 +615,7 @@ def _expected_drift(node_id: str, spec: WorkloadSpec, status: WorkloadStatus,
                     seen: ObservedWorkload, now: datetime,
                     policy: RetryPolicy) -> list[DriftFinding]:
     wid = spec.id or status.id
-    if normalize_desired(spec.desired_state) == DELETED:
+    if normalize_desired_state(spec.desired_state) == DELETED:
         return [DriftFinding(node_id, wid, ORPHAN, DELETE_RESIDUAL, status.status, seen.state)]
     out: list[DriftFinding] = []
     if (seen.revision_id and spec.revision_id and seen.revision_id != spec.revision_id
@@ -656,8 +648,7 @@ def _orphan(node_id: str, here: NodeView | None, wid: str, spec: WorkloadSpec | 
 
     if spec is None or status is None:
         return finding(DELETE_ORPHAN)
-    if normalize_desired(spec.desired_state) == DELETED or status.status in ("Deleting",
-                                                                             "Deleted"):
+    if being_deleted(spec, status):
         return finding(DELETE_RESIDUAL)
     owner = node_of(status)
     if not owner or owner == node_id:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from eventsource.records import Resources, WorkloadSpec
+from eventsource.records import Resources, WorkloadSpec, WorkloadStatus
 from handlers.placement import canonical_driver, canonical_type
 from proto.persys.agent.v1 import agent_pb2
 from proto.persys.control.v1 import control_pb2
@@ -37,12 +37,23 @@ class InvalidSpec(ValueError):
 
 
 def normalize_desired_state(value: str) -> str:
+    """E2: stop/stopped -> Stopped; delete/deleted -> Deleted; anything else -> Running."""
     v = value.strip().lower()
     if v in ("stop", "stopped"):
         return "Stopped"
     if v in ("delete", "deleted"):
         return "Deleted"
     return "Running"
+
+
+#: statuses of a workload whose delete is committed
+DELETING_STATUSES = frozenset({"Deleting", "Deleted"})
+
+
+def being_deleted(spec: WorkloadSpec, status: WorkloadStatus) -> bool:
+    """A delete is committed: nothing may apply the workload again, only delete it."""
+    return (normalize_desired_state(spec.desired_state) == "Deleted"
+            or status.status in DELETING_STATUSES)
 
 
 def validate_id(field: str, value: str) -> str:

@@ -287,7 +287,8 @@ class WorkloadCommands:
             raise
         log.debug("workload placed workload_id=%s node_id=%s revision=%d reason=%r",
                   spec.id, placed.node_id, revision, placed.reason)
-        self.dispatcher.apply(spec, placed.status.metadata, placed.node_id, spec.desired_state)
+        self.dispatcher.apply(spec, placed.status.metadata, placed.node_id, spec.desired_state,
+                              after=revision)
         return Outcome(True, node_id=placed.node_id, message=placed.reason)
 
     async def _catch_up(self, exc: Conflict) -> None:
@@ -375,13 +376,14 @@ class WorkloadCommands:
         puts += [Put(self.layout.spec(spec.id), encode(spec), category="spec"),
                  Put(self.layout.status(spec.id), encode(status), category="status")]
         try:
-            await self.committer.commit(Change(kind="workload", compares=compares, puts=puts,
-                                               events=events))
+            committed = await self.committer.commit(Change(kind="workload", compares=compares,
+                                                           puts=puts, events=events))
         except Conflict as exc:
             await self._catch_up(exc)
             raise
         if status.node_id:
-            self.dispatcher.apply(spec, status.metadata, status.node_id, spec.desired_state)
+            self.dispatcher.apply(spec, status.metadata, status.node_id, spec.desired_state,
+                                  after=committed.revision)
         return Outcome(True, node_id=status.node_id, message="updated")
 
     def _resize(self, workload_id: str, node_id: str,
@@ -470,13 +472,15 @@ class WorkloadCommands:
                           timestamp=self.clock.now())]
 
         try:
-            status, _ = await self.writer.update_status(workload_id, mutate, kind="workload")
+            status, committed = await self.writer.update_status(workload_id, mutate,
+                                                                kind="workload")
         except NotFound:
             return Outcome(False, "", f"workload {workload_id} not found")
         spec_item = self.cluster.specs.get(workload_id)
         if spec_item is not None and status.node_id and spec_item.value.desired_state != "Deleted":
             self.dispatcher.apply(spec_item.value, status.metadata, status.node_id,
-                                  spec_item.value.desired_state)
+                                  spec_item.value.desired_state,
+                                  after=committed.revision if committed else 0)
         return Outcome(True, node_id=status.node_id)
 
 
@@ -632,7 +636,7 @@ class Relocator:
             cpu_m, mem_mb = request_of(spec)
             c.placer.reserve(workload_id, placed.node_id, cpu_m, mem_mb)
             try:
-                await c.committer.commit(change, fenced=fenced)
+                committed = await c.committer.commit(change, fenced=fenced)
             except Conflict as exc:
                 c.placer.release(workload_id)
                 await c._catch_up(exc)
@@ -642,7 +646,7 @@ class Relocator:
                 raise
             # a fenced move is a leader loop's: its agent calls go out only while it leads
             c.dispatcher.apply(spec, new_status.metadata, placed.node_id, spec.desired_state,
-                               leader_only=fenced)
+                               after=committed.revision, leader_only=fenced)
             c.dispatcher.forget_on(workload_id, from_node, leader_only=fenced)
             return "moved"
 

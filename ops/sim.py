@@ -502,6 +502,11 @@ class SimNode(agent_pb2_grpc.AgentServiceServicer):
         w = self._workloads.get(workload_id)
         return None if w is None else _STATE_NAMES.get(w.actual, "Unknown")
 
+    def workload_revision(self, workload_id: str) -> str | None:
+        """The revision id of the spec the agent last accepted, or None when not held."""
+        w = self._workloads.get(workload_id)
+        return None if w is None else w.revision_id
+
     def running_ids(self) -> list[str]:
         """The ids of the workloads this agent holds Running."""
         return [wid for wid, w in self._workloads.items()

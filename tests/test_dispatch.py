@@ -15,7 +15,7 @@ from eventsource.clock import SystemClock
 from eventsource.errors import NotLeader
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
-from eventsource.records import Node, WorkloadSpec
+from eventsource.records import Node, WorkloadSpec, WorkloadStatus
 from handlers.agents import AgentPool
 from handlers.dispatch import Dispatcher
 from projections.prefix import Item
@@ -31,6 +31,16 @@ class CountingAgent(agent_pb2_grpc.AgentServiceServicer):  # type: ignore[misc]
         md = dict(context.invocation_metadata())
         self.terms.append(md.get("x-persys-leader-term"))
         return agent_pb2.ApplyWorkloadResponse(applied=True)
+
+
+def projection_of(node: Item[Node], *specs: WorkloadSpec) -> Any:
+    """The projections a dispatcher reads: ``node``, and ``specs`` placed on it."""
+    spec_items = {s.id: Item(s, 1, 1, 0) for s in specs}
+    status_items = {s.id: Item(WorkloadStatus(id=s.id, node_id=node.value.node_id,
+                                              status="Scheduled"), 1, 1, 0) for s in specs}
+    return SimpleNamespace(nodes=SimpleNamespace(get=lambda node_id: node),
+                           specs=SimpleNamespace(get=spec_items.get),
+                           statuses=SimpleNamespace(get=status_items.get))
 
 
 @pytest.fixture
@@ -57,11 +67,10 @@ async def test_leader_apply_is_not_sent_after_leadership_is_lost(agent) -> None:
     pool = AgentPool(Metrics(), instance_id="r1", rpc_timeout=5.0, tls=None,
                      leader_term=lambda: leading["term"], guard=guard)
     node = Item(Node(node_id="n1", agent_endpoint=endpoint), 1, 1, 0)
-    cluster = SimpleNamespace(nodes=SimpleNamespace(get=lambda node_id: node))
-    dispatcher = Dispatcher(pool=pool, cluster=cluster, committer=None,  # type: ignore[arg-type]
+    spec = WorkloadSpec(id="w1", type="container", image="nginx:1", desired_state="Running")
+    dispatcher = Dispatcher(pool=pool, cluster=projection_of(node, spec), committer=None,  # type: ignore[arg-type]
                             writer=None, clock=SystemClock(),  # type: ignore[arg-type]
                             layout=KeyLayout(""))
-    spec = WorkloadSpec(id="w1", type="container", image="nginx:1")
     try:
         dispatcher.apply(spec, {}, "n1", "Running", leader_only=True)
         await wait_for(lambda: len(servicer.terms) == 1, message="the leader's apply was not sent")
@@ -106,9 +115,12 @@ async def test_vm_applies_and_deletes_get_their_own_deadlines() -> None:
     pool = AgentPool(Metrics(), instance_id="r1", rpc_timeout=0.2, tls=None,
                      delete_timeout=5.0)
     node = Item(Node(node_id="n1", agent_endpoint=endpoint), 1, 1, 0)
-    cluster = SimpleNamespace(nodes=SimpleNamespace(get=lambda node_id: node))
+    vm = WorkloadSpec(id="vm-1", type="vm", vm={"vcpus": 1, "memoryMb": 64},
+                      desired_state="Running")
+    container = WorkloadSpec(id="c-1", type="container", image="x", desired_state="Running")
     recorded: list[str] = []
-    dispatcher = Dispatcher(pool=pool, cluster=cluster, committer=None,  # type: ignore[arg-type]
+    dispatcher = Dispatcher(pool=pool, cluster=projection_of(node, vm, container),  # type: ignore[arg-type]
+                            committer=None,  # type: ignore[arg-type]
                             writer=None, clock=SystemClock(),  # type: ignore[arg-type]
                             layout=KeyLayout(""), apply_timeout=0.2, vm_apply_timeout=5.0)
 
@@ -117,10 +129,8 @@ async def test_vm_applies_and_deletes_get_their_own_deadlines() -> None:
 
     dispatcher._record_apply = record  # type: ignore[method-assign]
     try:
-        dispatcher.apply(WorkloadSpec(id="vm-1", type="vm", vm={"vcpus": 1, "memoryMb": 64}),
-                         {}, "n1", "Running")
-        dispatcher.apply(WorkloadSpec(id="c-1", type="container", image="x"), {}, "n1",
-                         "Running")
+        dispatcher.apply(vm, {}, "n1", "Running")
+        dispatcher.apply(container, {}, "n1", "Running")
         await asyncio.gather(*list(dispatcher._tasks))
         # the VM had the VM deadline; the container's 0.2 s passed before the agent answered
         assert "apply vm-1" in servicer.answered

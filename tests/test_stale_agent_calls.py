@@ -1,0 +1,106 @@
+"""An agent call decided before a delete must not bring the workload back after it.
+
+A reconcile cycle plans, then acts: a delete committed in between (by any replica) makes the
+planned apply stale. The dispatcher's post-commit applies wait behind a bounded semaphore (a
+VM's apply can take minutes): a delete that lands while one waits makes it stale too. Both
+re-read the workload just before the call and drop it.
+"""
+
+from __future__ import annotations
+
+from handlers.loops import CycleReport, loops_of
+from handlers.reconcile import REAPPLY, Action
+from proto.persys.control.v1 import control_pb2 as pb
+from tests.fixtures.harness import (
+    container_spec,
+    control_stub,
+    make_settings,
+    running_fleet,
+    running_scheduler,
+)
+from tests.fixtures.waiting import wait_for
+
+
+async def test_a_reapply_planned_before_a_delete_is_not_sent(
+    etcd_server, redis_server, key_root, stream_key
+):
+    s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
+    async with running_scheduler(s) as a:
+        addr = f"127.0.0.1:{a.grpc_port}"
+        async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-del",
+                                                                    spec=container_spec()))
+            assert resp.success, resp
+            await wait_for(lambda: a.cluster.statuses.get("w-del") is not None)
+            node_id = a.cluster.statuses.get("w-del").value.node_id  # type: ignore[union-attr]
+            sim = fleet.node(node_id)
+            await wait_for(lambda: "w-del" in sim.workload_ids(), message="applied")
+            # the delete as another replica would run it: committed, then its agent call; the
+            # finalisation has not happened yet (the status stays Deleting)
+            a.dispatcher.delete = lambda *args, **kw: None  # type: ignore[method-assign]
+            assert (await a.workloads.delete("w-del")).ok
+            await a.agents.delete(node_id, sim.endpoint, "w-del")
+            await wait_for(lambda: a.cluster.statuses.get("w-del").value.status  # type: ignore[union-attr]
+                           == "Deleting", message="Deleting in the projection")
+            # a REAPPLY the running cycle planned before the delete now acts
+            loop = loops_of(a).reconcile
+            sent = await loop._apply(Action(REAPPLY, "w-del", node_id), loop.node_views(),
+                                     CycleReport(), a.clock.now())
+            assert not sent
+            assert "w-del" not in sim.workload_ids()
+            assert a.cluster.statuses.get("w-del").value.status == "Deleting"  # type: ignore[union-attr]
+
+
+async def test_a_queued_apply_is_dropped_once_the_workload_is_deleted(
+    etcd_server, redis_server, key_root, stream_key
+):
+    s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
+    async with running_scheduler(s) as a:
+        addr = f"127.0.0.1:{a.grpc_port}"
+        async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
+            await fleet.wait_registered()
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-q",
+                                                                    spec=container_spec()))
+            assert resp.success, resp
+            await wait_for(lambda: a.cluster.statuses.get("w-q") is not None)
+            status = a.cluster.statuses.get("w-q").value  # type: ignore[union-attr]
+            spec = a.cluster.specs.get("w-q").value  # type: ignore[union-attr]
+            sim = fleet.node(status.node_id)
+            await wait_for(lambda: "w-q" in sim.workload_ids(), message="applied")
+            assert (await a.workloads.delete("w-q")).ok
+            await wait_for(lambda: a.cluster.specs.get("w-q") is None, message="finalised")
+            assert "w-q" not in sim.workload_ids()
+            # the post-commit apply that waited behind the dispatcher's semaphore runs now
+            await a.dispatcher._apply(spec, dict(status.metadata), status.node_id, "Running")
+            assert "w-q" not in sim.workload_ids()
+
+
+async def test_a_queued_apply_superseded_by_a_newer_spec_is_dropped(
+    etcd_server, redis_server, key_root, stream_key
+):
+    s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
+    async with running_scheduler(s) as a:
+        addr = f"127.0.0.1:{a.grpc_port}"
+        async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
+            await fleet.wait_registered()
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-s",
+                                                                    spec=container_spec()))
+            assert resp.success, resp
+            await wait_for(lambda: a.cluster.specs.get("w-s") is not None)
+            old = a.cluster.specs.get("w-s").value  # type: ignore[union-attr]
+            node_id = a.cluster.statuses.get("w-s").value.node_id  # type: ignore[union-attr]
+            sim = fleet.node(node_id)
+            newer = container_spec(image="nginx:1.27")
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-s",
+                                                                    spec=newer))
+            assert resp.success, resp
+            await wait_for(lambda: a.cluster.specs.get("w-s").value.revision_id  # type: ignore[union-attr]
+                           != old.revision_id, message="the newer spec in the projection")
+            await wait_for(lambda: sim.workload_revision("w-s")
+                           == a.cluster.specs.get("w-s").value.revision_id,  # type: ignore[union-attr]
+                           message="the newer spec applied")
+            # the older spec's apply, still queued, must not roll the agent back
+            await a.dispatcher._apply(old, {}, node_id, "Running")
+            assert sim.workload_revision("w-s") != old.revision_id
