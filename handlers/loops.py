@@ -263,9 +263,14 @@ class _Shell:
         NotReady is not rewritten and gets no second NodeLost (E1).
         """
         stamp = rfc3339(now)
+        # the monitor decides on a missing liveness key: a heartbeat that recreated it since
+        # (the plan is seconds old when the last nodes' turn comes) cancels the decision
+        lease_gone = source == "monitor"
 
         def mutate(node: Node) -> list[Event] | None:
             if node.status.lower() not in MONITORED_NODE_STATUSES:
+                return None
+            if lease_gone and self.cluster.alive.get(node_id) is not None:
                 return None
             node.status = NOT_READY
             node.status_reason = reason
@@ -275,8 +280,9 @@ class _Shell:
                           details={"status": NOT_READY, "source": source})]
 
         try:
-            _, committed = await self.writer.update_node(node_id, mutate, kind=source,
-                                                         fenced=True)
+            _, committed = await self.writer.update_node(
+                node_id, mutate, kind=source, fenced=True,
+                also_compare=[Compare.absent(self.layout.alive(node_id))] if lease_gone else ())
         except NotFound:
             return False
         except StoreError as exc:
@@ -1037,14 +1043,16 @@ class NodeMonitor(_Shell):
     async def _collect(self, node_id: str, now: datetime) -> bool:
         """Remove a long-NotReady node: its records, its empty allocation, its DNS record."""
         item = self.cluster.nodes.get(node_id)
-        if item is None or item.value.status != NOT_READY:
+        if item is None or item.value.status != NOT_READY or self.cluster.alive.get(node_id):
             return False
         # the record lives under the shard key of the replica the node registered through
         shards = {item.value.labels.get("scheduler_shard") or self.settings.shard_key,
                   self.settings.shard_key}
         change = Change(
             kind="monitor",
-            compares=[Compare.mod(self.layout.node(node_id), item.mod_revision)],
+            # a heartbeat since the plan recreated the liveness key: the node is back
+            compares=[Compare.mod(self.layout.node(node_id), item.mod_revision),
+                      Compare.absent(self.layout.alive(node_id))],
             deletes=[Delete(self.layout.node(node_id), category="node"),
                      Delete(self.layout.node_status(node_id), category="node"),
                      *(Delete(self.layout.skydns(self.settings.agents_discovery_domain,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from eventsource.commit import Change, Committed, Committer, retry_on_conflict
@@ -77,6 +77,7 @@ class StateWriter:
         *,
         kind: str,
         extra_puts: Callable[[R], list[Put]] | None = None,
+        also_compare: Sequence[Compare] = (),
         fenced: bool = False,
     ) -> tuple[R, Committed | None]:
         async def attempt(n: int) -> tuple[R, Committed | None]:
@@ -91,7 +92,8 @@ class StateWriter:
             if extra_puts is not None:
                 puts.extend(extra_puts(record))
             change = Change(
-                kind=kind, compares=[Compare.mod(key, item.mod_revision)], puts=puts,
+                kind=kind, compares=[Compare.mod(key, item.mod_revision), *also_compare],
+                puts=puts,
                 events=events,
             )
             try:
@@ -119,7 +121,9 @@ class StateWriter:
 
     async def update_node(
         self, node_id: str, mutate: Mutator[Node], *, kind: str = "node", fenced: bool = False,
+        also_compare: Sequence[Compare] = (),
     ) -> tuple[Node, Committed | None]:
+        """CAS update of a node record; ``also_compare``: more keys the decision read."""
         def status_key(node: Node) -> list[Put]:
             # the Go version's status string, rewritten only when it differs: an unchanged put
             # would cost etcd a write and every root watcher an event per label or taint change
@@ -131,5 +135,5 @@ class StateWriter:
 
         return await self._update(
             self.cluster.nodes, node_id, self.layout.node(node_id), "node", mutate,
-            kind=kind, extra_puts=status_key, fenced=fenced,
+            kind=kind, extra_puts=status_key, also_compare=also_compare, fenced=fenced,
         )

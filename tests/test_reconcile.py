@@ -741,6 +741,30 @@ async def test_long_not_ready_node_is_removed(etcd_server, redis_server, key_roo
         assert left[0].details["status"] == "Removed"
 
 
+async def test_a_node_whose_heartbeat_came_back_is_neither_lost_nor_removed(
+    etcd_server, redis_server, key_root, stream_key
+):
+    """The monitor decides on a missing liveness key, then works through its plan for
+    seconds; a heartbeat that recreated the key meanwhile cancels NotReady and removal."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_gc_after_s=600.0, **QUIET)
+    async with stack(settings, 1) as s:
+        node_id = s.fleet.nodes[0].node_id
+        monitor = s.loops.monitor
+        now = s.sched.clock.now()
+        await wait_for(lambda: s.sched.cluster.alive.get(node_id) is not None, timeout=10)
+        # the monitor's stale plan says the lease is gone; the node is heartbeating
+        assert not await monitor.mark_not_ready(node_id, reason="lease expired",
+                                                source="monitor", now=now)
+        assert s.sched.cluster.nodes.get(node_id).value.status == "Ready"  # type: ignore[union-attr]
+        # NotReady for another reason (its agent did not answer), and old enough to remove
+        assert await monitor.mark_not_ready(node_id, reason="agent unreachable",
+                                            source="reconciler", now=now)
+        await s.caught_up()
+        assert not await monitor._collect(node_id, now + timedelta(seconds=700))
+        assert s.sched.cluster.nodes.get(node_id) is not None
+
+
 # -- overlap -------------------------------------------------------------------------------------
 
 async def test_two_cycles_never_run_at_once(etcd_server, redis_server, key_root, stream_key):
