@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
@@ -43,7 +44,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from eventsource.errors import StoreError, Unavailable
-from eventsource.events import GAP_TYPE, StreamEntry, parse_stream_id
+from eventsource.events import GAP_TYPE, StreamEntry, parse_stream_id, rfc3339
 
 log = logging.getLogger("persys.stream")
 
@@ -592,6 +593,31 @@ class Subscription:
         self.close()
 
 
+def unread_gap(cursor: str, cursor_key: tuple[int, int],
+               entry: StreamEntry) -> StreamEntry | None:
+    """A synthetic ``EventsGap`` when ``entry`` says (``prev``) that its predecessor is newer
+    than the last entry the tailer read: entries were deleted or trimmed before it read them
+    (the key deleted or flushed, Redis evicting it, or a tailer further behind than
+    retention). Its id is that predecessor's, so a subscriber resuming from it loses nothing
+    more; the relay writes such gaps only for losses it can see."""
+    if not entry.prev:
+        return None
+    try:
+        prev_key = id_key(entry.prev)
+    except ValueError:
+        return None
+    if prev_key <= cursor_key:
+        return None
+    now = datetime.now(UTC)
+    return StreamEntry(
+        stream_id=entry.prev, event_id="", type=GAP_TYPE, workload_id="", node_id="",
+        reason="events before this one are no longer in the stream",
+        timestamp=rfc3339(now),
+        details={"from": cursor, "to": entry.prev, "cause": "gone-before-read"},
+        revision=prev_key[0], seq=prev_key[1], ts=int(now.timestamp() * 1000), prev=cursor,
+    )
+
+
 class StreamTailer:
     """The process's one ``XREAD BLOCK`` reader of a stream, fanning out to subscriptions.
 
@@ -785,8 +811,18 @@ class StreamTailer:
             # (an ended subscription ignores later offers)
             everyone = list(self._subs)
             any_node = list(self._any_node)
+            previous = id_key(cursor)
             for entry in entries:
                 key = id_key(entry.stream_id)
+                lost = unread_gap(cursor, previous, entry)
+                if lost is not None:
+                    log.error("stream %s: entries after %s up to %s are gone before this "
+                              "replica read them; subscribers get an EventsGap",
+                              self.stream_key, lost.details["from"], lost.details["to"])
+                    lost_key = id_key(lost.stream_id)
+                    for sub in everyone:
+                        sub._offer(lost, lost_key)
+                previous, cursor = key, entry.stream_id
                 if entry.type == GAP_TYPE:
                     targets: Iterable[Subscription] = everyone
                 else:

@@ -8,7 +8,12 @@
   subscription begins.
 * Gaps are explicit: when the first retained entry after a cursor says (``prev``) that its
   predecessor is newer than the cursor, entries were trimmed, and the client first receives one
-  synthetic ``EventsGap`` view. ``EventsGap`` entries always pass the filters.
+  synthetic ``EventsGap`` view; so does a watcher whose cursor is older than where it joins the
+  tailer while the stream holds nothing after the cursor (the key was deleted under us), and
+  the tailer offers one when a live entry's ``prev`` is an entry it never read. ``EventsGap``
+  entries always pass the filters.
+* A read after a cursor goes on until it has ``limit`` matches or reaches the end: a short page
+  means "nothing more". Watch history is sent page by page.
 * A watch that ends because Redis went away or the client fell behind gets UNAVAILABLE or
   RESOURCE_EXHAUSTED naming the last id it was sent, to resume from.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -42,8 +48,22 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 10_000
 WATCH_REPLAY = 100
 PAGE = 500
-#: how far back a filtered ListEvents may scan before it settles for fewer matches
+#: how far back a filtered ListEvents without a cursor may scan for the newest matches before
+#: it settles for fewer (a reader after a cursor reads on to the end instead)
 MAX_SCAN = 200_000
+
+
+@dataclass(frozen=True, slots=True)
+class AfterScan:
+    """What a forward read after a cursor found."""
+
+    entries: list[StreamEntry]
+    #: the first retained entry after the cursor, matching or not (for the gap check)
+    first: StreamEntry | None
+    #: the last id read: the next read continues after it
+    scanned_to: str
+    #: the end of the stream (or of the range asked for) was reached
+    done: bool
 
 
 def gap_view(cursor: str, first: StreamEntry) -> control_pb2.SchedulerEventView | None:
@@ -60,6 +80,27 @@ def gap_view(cursor: str, first: StreamEntry) -> control_pb2.SchedulerEventView 
         "entry were trimmed", details={"from": cursor, "to": first.prev},
     )
     return view
+
+
+def history_gap(cursor: str, first: StreamEntry | None,
+                start_id: str) -> control_pb2.SchedulerEventView | None:
+    """The gap a resuming watcher is owed before its history, if any.
+
+    Besides a first entry whose ``prev`` is newer than the cursor, a stream that holds
+    nothing at all after the cursor although the subscription starts later (the tailer saw an
+    entry there) has lost those entries: the key was deleted or flushed under us.
+    """
+    if first is not None:
+        return gap_view(cursor, first)
+    try:
+        if id_key(start_id) <= id_key(cursor):
+            return None
+    except ValueError:
+        return None
+    return control_pb2.SchedulerEventView(
+        id=cursor, type="EventsGap", reason="events between the cursor and the stream's top "
+        "are no longer in the stream", details={"from": cursor, "to": start_id},
+    )
 
 
 class EventService:
@@ -106,30 +147,33 @@ class EventService:
         return out
 
     async def _after_matching(self, flt: EventFilter, after_id: str, limit: int,
-                              *, upto: str | None = None
-                              ) -> tuple[list[StreamEntry], StreamEntry | None]:
+                              *, upto: str | None = None) -> AfterScan:
+        """Up to ``limit`` matching entries after ``after_id`` (and not after ``upto``).
+
+        Reads forward page by page until it has ``limit`` matches or reaches the end (or
+        ``upto``); no scan bound: a short answer must mean "nothing more", or a client paging
+        with a filter would stop early. The cost is bounded by retention.
+        """
         out: list[StreamEntry] = []
         first: StreamEntry | None = None
         cursor = after_id
-        scanned = 0
-        while len(out) < limit and scanned < MAX_SCAN:
+        while len(out) < limit:
             page = await self.log.range(cursor, PAGE)
             if not page:
-                break
+                return AfterScan(out, first, cursor, done=True)
             if first is None:
                 first = page[0]
             for entry in page:
                 if upto is not None and id_key(entry.stream_id) > id_key(upto):
-                    return out, first
+                    return AfterScan(out, first, cursor, done=True)
+                cursor = entry.stream_id
                 if flt.matches(entry):
                     out.append(entry)
                     if len(out) >= limit:
                         break
-            scanned += len(page)
-            cursor = page[-1].stream_id
-            if len(page) < PAGE:
-                break
-        return out, first
+            if len(page) < PAGE and cursor == page[-1].stream_id:
+                return AfterScan(out, first, cursor, done=True)
+        return AfterScan(out, first, cursor, done=False)
 
     async def list_events(self, req: control_pb2.ListEventsRequest,
                           context: grpc.aio.ServicerContext) -> control_pb2.ListEventsResponse:
@@ -143,9 +187,10 @@ class EventService:
             if cursor is None:
                 entries = await self._newest_matching(flt, limit)
             else:
-                entries, first = await self._after_matching(flt, cursor, limit)
-                if first is not None:
-                    gap = gap_view(cursor, first)
+                scan = await self._after_matching(flt, cursor, limit)
+                entries = scan.entries
+                if scan.first is not None:
+                    gap = gap_view(cursor, scan.first)
                     if gap is not None:
                         resp.events.append(gap)
         except (RedisUnavailable, StreamError) as exc:
@@ -166,28 +211,30 @@ class EventService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"event stream unavailable: {exc}")
             return
         try:
-            # history up to where the subscription starts
+            # history up to where the subscription starts, sent page by page (a watcher
+            # resuming far back must not hold the whole retained stream in memory)
             if cursor is None:
                 history = await self._newest_matching(flt, WATCH_REPLAY, upto=None)
-                history = [e for e in history if id_key(e.stream_id) <= id_key(sub.start_id)]
+                for entry in history:
+                    if id_key(entry.stream_id) <= id_key(sub.start_id):
+                        last_sent = entry.stream_id
+                        yield event_view(entry)
             else:
-                history = []
                 after = cursor
                 first_seen = False
                 while True:
-                    page, first = await self._after_matching(flt, after, PAGE, upto=sub.start_id)
-                    if not first_seen and first is not None:
+                    scan = await self._after_matching(flt, after, PAGE, upto=sub.start_id)
+                    if not first_seen:
                         first_seen = True
-                        gap = gap_view(cursor, first)
+                        gap = history_gap(cursor, scan.first, sub.start_id)
                         if gap is not None:
                             yield gap
-                    history.extend(page)
-                    if len(page) < PAGE:
+                    for entry in scan.entries:
+                        last_sent = entry.stream_id
+                        yield event_view(entry)
+                    if scan.done:
                         break
-                    after = page[-1].stream_id
-            for entry in history:
-                last_sent = entry.stream_id
-                yield event_view(entry)
+                    after = scan.scanned_to
             while True:
                 entry = await sub.get()  # the subscription applies the filter
                 last_sent = entry.stream_id

@@ -26,6 +26,8 @@ from eventsource.stream import (
     SubscriptionOverflow,
     writer_client,
 )
+from handlers import events as events_api
+from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.waiting import wait_for
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -277,6 +279,112 @@ async def test_tailer_reports_a_replaced_stream(log: RedisEventLog, tailer, writ
     finally:
         if new_name:
             await writer.delete(new_name)
+
+
+async def test_tailer_offers_a_gap_for_entries_gone_before_it_read_them(
+    log: RedisEventLog, tailer, writer
+) -> None:
+    """The key deleted under a running relay (FLUSHALL, eviction): the next entry's ``prev``
+    names an entry the tailer never read, and every subscriber gets an EventsGap first."""
+    await log.append_batch(chain(["1-0", "2-0"]), maxlen=1000)
+    sub = await tailer.subscribe()
+    n9 = await tailer.subscribe(node_id="n9")  # a node filter lets every gap through
+    assert sub.start_id == "2-0"
+    await log.append_batch([("3-0", make_data("3-0", prev="2-0"))], maxlen=1000)
+    assert await take(sub, 1) == ["3-0"]
+    # entries 4..6 appended and lost before the tailer read them
+    await writer.delete(log.key)
+    await log.append_batch([("7-0", make_data("7-0", prev="6-0"))], maxlen=1000)
+    gap = await sub.get()
+    assert (gap.type, gap.stream_id) == ("EventsGap", "6-0")
+    assert dict(gap.details) == {"from": "3-0", "to": "6-0", "cause": "gone-before-read"}
+    assert await take(sub, 1) == ["7-0"]
+    assert await take(n9, 1) == ["6-0"]
+    # a continuous chain raises none
+    await log.append_batch([("8-0", make_data("8-0", prev="7-0"))], maxlen=1000)
+    assert await take(sub, 1) == ["8-0"]
+
+
+async def test_reappend_of_entries_trimmed_since_is_accepted(log: RedisEventLog,
+                                                             writer) -> None:
+    """Re-sent after a crash, entries retention trimmed meanwhile lie below the oldest entry:
+    appended once already, not a conflict. An absent id above the oldest still is one."""
+    batch = chain(["1-0", "2-0", "3-0", "4-0"])
+    await log.append_batch(batch, maxlen=0)
+    await writer.xtrim(log.key, maxlen=1, approximate=False)
+    await log.append_batch(batch, maxlen=0)  # 1..3 trimmed, 4 present: all recognised
+    assert [e.stream_id for e in await log.range(None, 10)] == ["4-0"]
+    await log.append_batch([("6-0", make_data("6-0", prev="4-0"))], maxlen=0)
+    with pytest.raises(StreamIdConflict):
+        await log.append_batch([("5-0", make_data("5-0", prev="4-0"))], maxlen=0)
+
+
+# -- the event service's reads ----------------------------------------------------------------
+
+
+class AbortingContext:
+    """What a servicer context does on abort, without a server."""
+
+    async def abort(self, code: object, details: str) -> None:
+        raise AssertionError(f"aborted {code}: {details}")
+
+
+async def fill_for_one_node(log: RedisEventLog, *, others: int, matching: int) -> list[str]:
+    """``others`` entries of node ``other``, then ``matching`` of node ``target``."""
+    entries: list[tuple[str, str]] = []
+    prev = ZERO_ID
+    for i in range(1, others + matching + 1):
+        stream_id = f"{i}-0"
+        node = "other" if i <= others else "target"
+        entries.append((stream_id, make_data(stream_id, prev=prev, node_id=node)))
+        prev = stream_id
+    await log.append_batch(entries, maxlen=0)
+    return [stream_id for stream_id, _ in entries[others:]]
+
+
+async def test_filtered_reads_after_a_cursor_go_past_any_scan_bound(
+    log: RedisEventLog, tailer, monkeypatch
+) -> None:
+    """A filtered reader paging forward from far back gets every match: a short answer means
+    "nothing more", never "scanned enough"."""
+    monkeypatch.setattr(events_api, "PAGE", 5)
+    monkeypatch.setattr(events_api, "MAX_SCAN", 20)
+    matching = await fill_for_one_node(log, others=30, matching=4)
+    service = events_api.EventService(log, tailer)
+    listed = await service.list_events(
+        pb.ListEventsRequest(node_id="target", after_id="1-0", limit=10), AbortingContext())
+    assert [e.id for e in listed.events] == matching
+    got: list[str] = []
+    watch = service.watch_events(pb.WatchEventsRequest(node_id="target", after_id="1-0"),
+                                 AbortingContext())
+    async with asyncio.timeout(10):
+        async for view in watch:
+            got.append(view.id)
+            if len(got) == len(matching):
+                break
+    await watch.aclose()
+    assert got == matching
+
+
+async def test_a_watch_resuming_into_a_lost_stream_gets_a_gap(
+    log: RedisEventLog, tailer, writer
+) -> None:
+    """The stream was deleted under us after the tailer read to 10-0: a watcher resuming from
+    5-0 finds nothing after its cursor, and is owed an EventsGap up to where it joins."""
+    await fill_for_one_node(log, others=10, matching=0)
+    first = await tailer.subscribe()  # the tailer reads up to 10-0
+    assert first.start_id == "10-0"
+    await writer.delete(log.key)
+    service = events_api.EventService(log, tailer)
+    watch = service.watch_events(pb.WatchEventsRequest(after_id="5-0"), AbortingContext())
+    async with asyncio.timeout(10):
+        gap = await anext(watch)
+        assert (gap.type, gap.details["from"], gap.details["to"]) == ("EventsGap", "5-0",
+                                                                      "10-0")
+        await log.append_batch([("11-0", make_data("11-0", prev="10-0"))], maxlen=0)
+        assert (await anext(watch)).id == "11-0"
+    await watch.aclose()
+    first.close()
 
 
 @pytest.mark.fault
