@@ -136,6 +136,9 @@ NOT_READY = "NotReady"
 BODY_SHARE = 0.8
 #: drift records + events per transaction (2 ops each, well under etcd's 128)
 DRIFT_BATCH = 40
+#: how long drift detection waits for the projections to reach etcd's revision of the moment
+#: before the agents were listed (normally milliseconds)
+DRIFT_FRESHNESS_WAIT_S = 5.0
 #: actions whose own status write makes a separate state_mismatch alignment redundant
 STATUS_WRITING = frozenset({SETTLE, REAPPLY, APPLY_STOPPED, COUNT_FAILURE, MARK_TERMINAL})
 
@@ -461,7 +464,12 @@ class ReconcileLoop(_Shell):
         started = time.perf_counter()
         views = self.node_views()
         targets = [v for v in views.values() if v.available and self.leader.owns(v.node_id)]
+        drift_at = await self._drift_revision() if report.drift else None
         observations = await self._prefetch(targets, report)
+        if drift_at is not None:
+            report.drift = await self._caught_up_for_drift(drift_at)
+        elif report.drift:
+            report.drift = False
         planning = time.perf_counter()
         report.nodes_listed = len(targets)
         report.unreachable = sorted(n for n, o in observations.items() if o.unreachable)
@@ -506,6 +514,30 @@ class ReconcileLoop(_Shell):
                          "act": time.perf_counter() - acting}
         for phase, seconds in report.phases.items():
             self.metrics.reconcile_phase_seconds.labels(phase).inc(seconds)
+
+    async def _drift_revision(self) -> int | None:
+        """etcd's revision before the agents are listed; None (no drift this cycle) if etcd
+        does not answer."""
+        try:
+            return await self.committer.etcd.current_revision()
+        except StoreError as exc:
+            log.warning("drift detection skipped this cycle: etcd revision unknown: %s", exc)
+            return None
+
+    async def _caught_up_for_drift(self, revision: int) -> bool:
+        """Whether the projections show etcd as it was before the agents were listed.
+
+        Drift compares what agents run with what etcd says; a projection frozen behind (a
+        watch reconnecting, a re-list after compaction) would call a workload another replica
+        just created an orphan, and delete it from its agent.
+        """
+        try:
+            await self.cluster.wait_for(revision, timeout=DRIFT_FRESHNESS_WAIT_S)
+        except StoreError as exc:
+            log.warning("drift detection skipped this cycle: the projections are behind "
+                        "etcd: %s", exc)
+            return False
+        return True
 
     async def _prefetch(self, targets: list[NodeView],
                         report: CycleReport) -> dict[str, NodeObservation]:

@@ -21,7 +21,8 @@ import pytest
 from eventsource.commit import Change
 from eventsource.etcd import Compare, Put
 from eventsource.events import parse_rfc3339
-from eventsource.records import encode
+from eventsource.records import WorkloadSpec, WorkloadStatus, encode
+from handlers import loops as loops_module
 from handlers.config import Settings
 from handlers.loops import RegisteredLoops, loops_of, monitor_interval_s
 from handlers.reconcile import (
@@ -511,6 +512,43 @@ async def agent_apply(endpoint: str, wid: str, revision: str) -> None:
         assert resp.applied
     finally:
         await channel.close()
+
+
+async def test_drift_waits_for_projections_that_show_etcd_before_the_listing(
+        etcd_server, redis_server, key_root, stream_key, monkeypatch):
+    """A workload another replica created (in etcd, and on its agent) while this replica's
+    projections were frozen behind etcd is no orphan: drift is skipped until they catch up."""
+    monkeypatch.setattr(loops_module, "DRIFT_FRESHNESS_WAIT_S", 0.3)
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
+    async with stack(settings, 1, heartbeat_interval_s=900) as s:
+        s.fleet.hold_control(True)
+        await s.caught_up()
+        node = s.fleet.nodes[0]
+        cluster = s.sched.cluster
+        held: list[Any] = []
+        fold = cluster.apply
+        cluster.apply = held.append  # type: ignore[method-assign]  # the watch falls behind
+        spec = WorkloadSpec(id="fresh", type="container", image="rogue:1",
+                            desired_state="Running", revision_id="rev-f")
+        status = WorkloadStatus(id="fresh", node_id=node.node_id, assigned_node=node.node_id,
+                                status="Running")
+        layout = s.sched.layout
+        await s.sched.etcd.txn([], [Put(layout.spec("fresh"), encode(spec)),
+                                    Put(layout.status("fresh"), encode(status))])
+        await agent_apply(node.endpoint, "fresh", "rev-f")
+        report = await s.loops.reconcile.run_once(drift=True)
+        assert not report.drift
+        assert report.drifts == []
+        assert "fresh" in node.workload_ids()
+        # caught up: drift runs, and the workload is known
+        cluster.apply = fold  # type: ignore[method-assign]
+        for batch in held:
+            fold(batch)
+        report = await s.loops.reconcile.run_once(drift=True)
+        assert report.drift
+        assert not any(f.workload_id == "fresh" for f in report.drifts)
+        assert "fresh" in node.workload_ids()
 
 
 async def test_each_drift_type_is_detected_and_remediated(etcd_server, redis_server, key_root,
