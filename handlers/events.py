@@ -28,6 +28,7 @@ import grpc
 
 from eventsource.events import StreamEntry, parse_stream_id
 from eventsource.stream import (
+    ZERO_ID,
     RedisEventLog,
     RedisUnavailable,
     StreamError,
@@ -122,6 +123,28 @@ class EventService:
                                 f"after_id: {text!r} is not a stream id like 123-0")
         return text
 
+    async def _past_the_top(self, cursor: str
+                            ) -> tuple[control_pb2.SchedulerEventView | None, str]:
+        """An EventsGap and the stream's newest id, for a cursor above the newest entry;
+        otherwise (None, cursor).
+
+        Every id a client was sent is in the stream (the relay appends before any replica
+        can deliver), so a cursor above the top means the stream lost its entries (the key
+        deleted, flushed or evicted) or was replaced (moved aside after etcd was rebuilt, ids
+        starting over). Taken as is, the cursor would hide every new event up to it without
+        a word; the reader is told, and continues from the newest entry instead.
+        """
+        top = await self.log.top()
+        top_id = top.stream_id if top is not None else ZERO_ID
+        if id_key(cursor) <= id_key(top_id):
+            return None, cursor
+        view = control_pb2.SchedulerEventView(
+            id=top_id, type="EventsGap", reason="the cursor is ahead of the stream's newest "
+            "entry: the stream lost its entries or was replaced",
+            details={"from": cursor, "to": top_id, "cause": "cursor-ahead"},
+        )
+        return view, top_id
+
     async def _newest_matching(self, flt: EventFilter, limit: int, *,
                                upto: str | None = None) -> list[StreamEntry]:
         out: list[StreamEntry] = []
@@ -187,6 +210,9 @@ class EventService:
             if cursor is None:
                 entries = await self._newest_matching(flt, limit)
             else:
+                ahead, cursor = await self._past_the_top(cursor)
+                if ahead is not None:
+                    resp.events.append(ahead)
                 scan = await self._after_matching(flt, cursor, limit)
                 entries = scan.entries
                 if scan.first is not None:
@@ -204,13 +230,19 @@ class EventService:
         flt = EventFilter(req.type.strip(), req.workload_id.strip(), req.node_id.strip())
         cursor = await self._cursor(req.after_id, context)
         last_sent = cursor or ""
+        ahead: control_pb2.SchedulerEventView | None = None
         try:
+            if cursor is not None:
+                ahead, cursor = await self._past_the_top(cursor)
             sub: Subscription = await self.tailer.subscribe(cursor, accept=flt.matches,
                                                             node_id=flt.node_id)
         except (RedisUnavailable, StreamError, RuntimeError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"event stream unavailable: {exc}")
             return
         try:
+            if ahead is not None:
+                last_sent = ahead.id
+                yield ahead
             # history up to where the subscription starts, sent page by page (a watcher
             # resuming far back must not hold the whole retained stream in memory)
             if cursor is None:
@@ -226,7 +258,8 @@ class EventService:
                     scan = await self._after_matching(flt, after, PAGE, upto=sub.start_id)
                     if not first_seen:
                         first_seen = True
-                        gap = history_gap(cursor, scan.first, sub.start_id)
+                        # a cursor found ahead of the stream was answered with its gap already
+                        gap = None if ahead else history_gap(cursor, scan.first, sub.start_id)
                         if gap is not None:
                             yield gap
                     for entry in scan.entries:

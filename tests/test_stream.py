@@ -369,12 +369,12 @@ async def test_filtered_reads_after_a_cursor_go_past_any_scan_bound(
 async def test_a_watch_resuming_into_a_lost_stream_gets_a_gap(
     log: RedisEventLog, tailer, writer
 ) -> None:
-    """The stream was deleted under us after the tailer read to 10-0: a watcher resuming from
-    5-0 finds nothing after its cursor, and is owed an EventsGap up to where it joins."""
+    """The stream lost its tail after the tailer read it: a watcher resuming from 5-0 finds
+    nothing after its cursor although it joins at 10-0, and is owed an EventsGap."""
     await fill_for_one_node(log, others=10, matching=0)
     first = await tailer.subscribe()  # the tailer reads up to 10-0
     assert first.start_id == "10-0"
-    await writer.delete(log.key)
+    await writer.xdel(log.key, "6-0", "7-0", "8-0", "9-0", "10-0")  # the tail lost
     service = events_api.EventService(log, tailer)
     watch = service.watch_events(pb.WatchEventsRequest(after_id="5-0"), AbortingContext())
     async with asyncio.timeout(10):
@@ -385,6 +385,28 @@ async def test_a_watch_resuming_into_a_lost_stream_gets_a_gap(
         assert (await anext(watch)).id == "11-0"
     await watch.aclose()
     first.close()
+
+
+async def test_a_cursor_ahead_of_the_stream_is_answered_with_a_gap(
+    log: RedisEventLog, tailer, writer
+) -> None:
+    """The key deleted (or the stream replaced, ids starting over): a cursor above the newest
+    entry is told so with an EventsGap and continues from the newest entry, instead of
+    silently hiding every new event up to it."""
+    await fill_for_one_node(log, others=3, matching=0)
+    service = events_api.EventService(log, tailer)
+    listed = await service.list_events(pb.ListEventsRequest(after_id="40-0"), AbortingContext())
+    assert [(e.id, e.type, e.details["from"]) for e in listed.events] == [
+        ("3-0", "EventsGap", "40-0")]
+    await writer.delete(log.key)
+    watch = service.watch_events(pb.WatchEventsRequest(after_id="40-0"), AbortingContext())
+    async with asyncio.timeout(10):
+        gap = await anext(watch)
+        assert (gap.id, gap.type, gap.details["cause"]) == ("0-0", "EventsGap", "cursor-ahead")
+        await log.append_batch(chain(["1-0", "2-0"]), maxlen=0)
+        assert (await anext(watch)).id == "1-0"
+        assert (await anext(watch)).id == "2-0"
+    await watch.aclose()
 
 
 @pytest.mark.fault
