@@ -99,15 +99,19 @@ class Dispatcher:
         self._spawn(self._apply(copy_record(spec), dict(metadata), node_id, desired,
                                 after, leader_only))
 
-    async def _still_wanted(self, spec: WorkloadSpec, node_id: str, desired: str,
-                            after: int) -> str | None:
-        """None when the apply still stands; otherwise why it is dropped."""
-        if after:
-            try:
-                await self.cluster.wait_for(after, timeout=PROJECTION_WAIT_S,
-                                            which=("specs", "statuses"))
-            except StoreError as exc:
-                return f"state not readable ({exc}); the reconcile loop applies it"
+    async def _shows_commit(self, after: int) -> str | None:
+        """None once this replica's projection shows revision ``after``; else why not."""
+        if not after:
+            return None
+        try:
+            await self.cluster.wait_for(after, timeout=PROJECTION_WAIT_S,
+                                        which=("specs", "statuses"))
+        except StoreError as exc:
+            return f"state not readable ({exc}); the reconcile loop applies it"
+        return None
+
+    def _superseded(self, spec: WorkloadSpec, node_id: str, desired: str) -> str | None:
+        """None when the apply still stands on the projection; otherwise why it is dropped."""
         spec_item = self.cluster.specs.get(spec.id)
         status_item = self.cluster.statuses.get(spec.id)
         if spec_item is None or status_item is None:
@@ -125,8 +129,11 @@ class Dispatcher:
 
     async def _apply(self, spec: WorkloadSpec, metadata: dict[str, Any], node_id: str,
                      desired: str, after: int = 0, leader_only: bool = False) -> None:
+        # the wait holds no slot; the check runs in the slot, right before the call
+        why_not = await self._shows_commit(after)
         async with self._sem:
-            why_not = await self._still_wanted(spec, node_id, desired, after)
+            if why_not is None:
+                why_not = self._superseded(spec, node_id, desired)
             if why_not is not None:
                 log.info("apply not sent workload_id=%s node_id=%s: %s", spec.id, node_id,
                          why_not)
