@@ -12,6 +12,7 @@ is discovery, not scheduling.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -54,24 +55,48 @@ class DnsRegistration:
         self.a_key = layout.skydns(domain, "persys-scheduler", instance_id)
         self.lease = 0
 
-    async def _register(self) -> None:
-        self.lease = await self.etcd.lease_grant(self.ttl_s)
+    async def _put_records(self, lease: int) -> None:
         srv = json.dumps({"host": self.host, "port": self.port, "ttl": 300}).encode()
         a = json.dumps({"host": self.host, "ttl": 300}).encode()
-        # the keys are this replica's alone (named by its instance id): no other writer
-        await self.etcd.txn([], [Put(self.srv_key, srv, lease=self.lease, category="dns"),
-                                 Put(self.a_key, a, lease=self.lease, category="dns")])
+        # the keys are this replica's (named by its instance id): a plain put on our lease
+        await self.etcd.txn([], [Put(self.srv_key, srv, lease=lease, category="dns"),
+                                 Put(self.a_key, a, lease=lease, category="dns")])
+
+    async def _register(self) -> None:
+        """A new lease and the records on it; the lease is kept only once they are written,
+        so a failed write is retried from the start instead of renewing an empty lease."""
+        lease = await self.etcd.lease_grant(self.ttl_s)
+        try:
+            await self._put_records(lease)
+        except BaseException:
+            with contextlib.suppress(StoreError, TimeoutError):
+                await asyncio.wait_for(self.etcd.lease_revoke(lease), 2.0)
+            raise
+        self.lease = lease
         log.info("dns records registered srv=%s a=%s host=%s port=%d", self.srv_key,
                  self.a_key, self.host, self.port)
 
+    async def _still_ours(self) -> None:
+        """Put the records back when they are missing or on another lease (deleted by hand,
+        or a second replica with the same SCHEDULER_INSTANCE_ID took them, then stopped)."""
+        for key in (self.srv_key, self.a_key):
+            kv = await self.etcd.get(key)
+            if kv is None or kv.lease != self.lease:
+                log.warning("dns record %s missing or not on this replica's lease; "
+                            "writing it again", key)
+                await self._put_records(self.lease)
+                return
+
     async def run(self) -> None:
-        """Register, then renew every TTL/3; re-register if the lease is lost."""
+        """Register, then renew every TTL/3 and check the records; re-register if the lease
+        is lost."""
         while True:
             try:
                 if not self.lease:
                     await self._register()
                 await asyncio.sleep(self.ttl_s / 3)
                 await self.etcd.lease_keepalive(self.lease)
+                await self._still_ours()
             except LeaseLost:
                 log.warning("dns lease lost; registering again")
                 self.lease = 0

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+from typing import Any
 
 import dns.exception
 import dns.resolver
 import pytest
 
+from eventsource.errors import Unavailable
+from eventsource.etcd import AsyncEtcd, Delete
+from eventsource.keys import KeyLayout
+from handlers.dns import DnsRegistration
 from ops.coredns import CoreDnsProcess, build_coredns, find_coredns_binary
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import control_stub, make_settings, running_scheduler
 from tests.fixtures.replicas import ReplicaSet
-from tests.fixtures.waiting import wait_for_sync
+from tests.fixtures.waiting import wait_for, wait_for_sync
 
 
 @pytest.fixture
@@ -96,3 +102,38 @@ async def test_a_node_registering_through_another_shard_key_leaves_no_old_record
             assert await sched.etcd.get(keys[-1]) is not None
             if len(keys) == 2:
                 assert await sched.etcd.get(keys[0]) is None
+
+
+async def test_records_are_written_again_after_a_failed_write_or_a_deletion(etcd_server,
+                                                                             key_root):
+    """A failed first write is retried with a new lease (before, the empty lease was renewed
+    forever and the replica stayed out of DNS), and records deleted under a live lease come
+    back at the next renewal."""
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    layout = KeyLayout(key_root)
+    registration = DnsRegistration(etcd, layout, domain="persys.local", instance_id="r1",
+                                   host="10.0.0.1", port=8085, ttl_s=3)
+    txn = etcd.txn
+    failures = [Unavailable("etcd leader election in progress")]
+
+    async def failing_once(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return await txn(*args, **kwargs)
+
+    etcd.txn = failing_once  # type: ignore[method-assign]
+    task = asyncio.create_task(registration.run())
+    try:
+        async def registered() -> bool:
+            kv = await etcd.get(registration.srv_key)
+            return kv is not None and kv.lease == registration.lease != 0
+
+        await wait_for(registered, timeout=15, message="records never written")
+        await etcd.txn([], [Delete(registration.srv_key), Delete(registration.a_key)])
+        await wait_for(registered, timeout=15, message="deleted records not written again")
+        assert await etcd.get(registration.a_key) is not None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await registration.deregister()
+        etcd.close()
