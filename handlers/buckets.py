@@ -25,7 +25,15 @@ How (and where it differs from the Go version, persys-facts I.18):
   user's own bucket succeeds, and two concurrent user creates can both succeed even with
   ``exclusive=true`` (measured here: the first writer's keys end up refused). So a concurrent
   create of the same name, from this replica or another, gets ALREADY_EXISTS, as does a name
-  with a leftover secret or user of a crashed attempt (DeleteBucket removes those).
+  with a leftover secret or user of a crashed attempt (DeleteBucket removes those). The claim
+  carries a nonce and its time: a claim write whose answer was lost is read back and removed
+  if it is ours, and DeleteBucket refuses (ABORTED) to remove the user of a name claimed less
+  than ``CLAIM_LIVE_S`` ago (a create in progress on another replica).
+* A create cancelled midway (the client's deadline, shutdown) still rolls back: an RGW call
+  already running in its thread takes effect, so the cancellation waits for it to end before
+  the rollback runs, and the rollback removes what the call may have made (a bucket only if
+  RGW shows it owned by the control-plane user). The claim stays if the rollback could not
+  remove the rest.
 * GetBucket / ListBuckets fill ``owner``, ``object_count``, ``size_bytes`` and the creation and
   modification times from Admin Ops bucket stats, and ``versioning`` from GetBucketVersioning.
 * DeleteBucket refuses a non-empty bucket (FAILED_PRECONDITION) unless ``force``, which makes
@@ -65,6 +73,7 @@ import logging
 import re
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -524,6 +533,29 @@ def _log_failure(future: Future[Any]) -> None:
 # -- the async commands ---------------------------------------------------------------------------
 
 
+#: the create flags of ``BucketCommands.create``'s rollback
+MADE, MAYBE = "made", "maybe"
+#: a creating claim younger than this is a create in progress (a create's steps are bounded
+#: by their call deadlines, minutes at most); an older one is a crashed attempt's leftover
+CLAIM_LIVE_S = 600.0
+
+
+def _number(text: str | None) -> float:
+    try:
+        return float(text or 0)
+    except ValueError:
+        return 0.0
+
+
+async def _until_done(call: Future[Any]) -> None:
+    """Wait until a call that already runs in its thread has ended, whatever its outcome
+    (bounded: every RGW call has a client timeout); a call still queued is cancelled."""
+    if call.cancel() or call.done():
+        return
+    with contextlib.suppress(Exception):  # its own error was answered already
+        await asyncio.shield(asyncio.wrap_future(call))
+
+
 class BucketCommands:
     """CreateBucket, ListBuckets, GetBucket, DeleteBucket, GetBucketAccess, ListBucketObjects."""
 
@@ -563,16 +595,24 @@ class BucketCommands:
             raise BucketError("UNAVAILABLE", "the bucket API is shutting down")
         read = read_timeout if read_timeout is not None else self.config.read_timeout_s
         deadline = (self.config.connect_timeout_s + read) * calls + 5.0
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(deadline):
-                async with self._slots:
-                    return await loop.run_in_executor(self._executor, fn, *args)
-        except TimeoutError:
-            raise BucketError("UNAVAILABLE",
-                              f"rgw {what}: no answer within {deadline:.0f}s") from None
-        except RgwError as exc:
-            raise self._translate(exc, what) from None
+        # the deadline starts with the call, not while it waits for a thread: a listing of
+        # thousands of buckets queues its calls on the pool's few threads
+        async with self._slots:
+            started = self._executor.submit(fn, *args)
+            try:
+                async with asyncio.timeout(deadline):
+                    return await asyncio.wrap_future(started)
+            except TimeoutError:
+                await _until_done(started)
+                raise BucketError("UNAVAILABLE",
+                                  f"rgw {what}: no answer within {deadline:.0f}s") from None
+            except RgwError as exc:
+                raise self._translate(exc, what) from None
+            except asyncio.CancelledError:
+                # RPC cancelled (client deadline, shutdown): the thread's call still takes
+                # effect; a rollback that follows must see what it made
+                await _until_done(started)
+                raise
 
     def _translate(self, exc: RgwError, what: str) -> BucketError:
         code = exc.code
@@ -659,34 +699,34 @@ class BucketCommands:
             if await self._call("HEAD bucket", self._rgw.head_bucket, bucket):
                 raise BucketError("ALREADY_EXISTS", f"bucket {bucket!r} already exists")
             # the claim: exactly one creator of this name, across replicas (see module doc)
+            claim = await self._claim(vault, bucket, leftover_hint)
+            # MADE: this call made it; MAYBE: a call to make it ran, its outcome unknown
+            made = {"secret": MADE, "user": "", "bucket": ""}
             try:
-                claim = await vault.write(self.config.kv_mount, self._kv_path(bucket),
-                                          {"state": "creating"}, cas=0)
-            except VaultError as exc:
-                if exc.kind == "conflict":
-                    raise BucketError(
-                        "ALREADY_EXISTS", f"bucket {bucket!r} is being created elsewhere, or "
-                                          f"has credentials in Vault already: {leftover_hint}"
-                    ) from None
-                raise BucketError("UNAVAILABLE", f"claiming the name in Vault: {exc}") from None
-            made = {"secret": True, "user": False, "bucket": False}
-            try:
+                made["user"] = MAYBE
                 try:
                     access_key, secret_key = await self._call(
                         "create user", self._rgw.create_user, uid, f"Persys bucket {bucket}")
                 except BucketError as exc:
                     if exc.rgw_code == "UserAlreadyExists":
+                        made["user"] = ""  # an earlier attempt's: not this call's to remove
                         raise BucketError("ALREADY_EXISTS",
                                           f"the RGW user {uid!r} exists: {leftover_hint}",
                                           rgw_code=exc.rgw_code) from None
                     raise
-                made["user"] = True
+                made["user"] = MADE
                 access = AccessInfo(
                     endpoint=self.config.endpoint, region=self.config.region, bucket=bucket,
                     access_key=access_key, secret_key=secret_key, vault_path=vault_path,
                     s3_url=f"s3://{bucket}")
-                await self._call("create bucket", self._rgw.create_bucket, bucket)
-                made["bucket"] = True
+                made["bucket"] = MAYBE
+                try:
+                    await self._call("create bucket", self._rgw.create_bucket, bucket)
+                except BucketError as exc:
+                    if exc.code == "ALREADY_EXISTS":
+                        made["bucket"] = ""  # someone else's, since the HEAD above
+                    raise
+                made["bucket"] = MADE
                 if versioning:
                     await self._call("enable versioning", self._rgw.put_versioning, bucket,
                                      True)
@@ -729,22 +769,44 @@ class BucketCommands:
     def _kv_path(self, bucket: str) -> str:
         return f"{self.config.kv_path}/{bucket}"
 
-    async def _rollback(self, bucket: str, made: Mapping[str, bool]) -> list[str]:
+    async def _claim(self, vault: VaultKV, bucket: str, leftover_hint: str) -> int:
+        """Claim the name (``cas=0``); returns the claim's version.
+
+        The claim carries a nonce and its time: a write whose answer was lost is recognised
+        as ours and removed (or the name would stay claimed by nobody), and DeleteBucket can
+        tell a create in progress from a crashed one's leftover."""
+        nonce = uuid.uuid4().hex
+        body = {"state": "creating", "claim": nonce, "since": str(int(time.time()))}
+        try:
+            return await vault.write(self.config.kv_mount, self._kv_path(bucket), body, cas=0)
+        except VaultError as exc:
+            if exc.kind == "conflict":
+                raise BucketError(
+                    "ALREADY_EXISTS", f"bucket {bucket!r} is being created elsewhere, or "
+                                      f"has credentials in Vault already: {leftover_hint}"
+                ) from None
+            failure = exc
+        # the answer was lost: the claim may be there, and it would be nobody's
+        try:
+            held = await vault.read(self.config.kv_mount, self._kv_path(bucket))
+            if held is not None and held.get("claim") == nonce:
+                await vault.delete(self.config.kv_mount, self._kv_path(bucket))
+        except VaultError as exc:
+            log.warning("bucket %s: the claim write failed and could not be checked: %s",
+                        bucket, exc)
+        raise BucketError("UNAVAILABLE", f"claiming the name in Vault: {failure}") from None
+
+    async def _rollback(self, bucket: str, made: Mapping[str, str]) -> list[str]:
         """Undo a failed create: the bucket (only if this call made it), the user, and last the
-        Vault claim, which keeps other creators out until the rest is gone."""
+        Vault claim, which keeps other creators out until the rest is gone (it stays when
+        removing the rest failed)."""
         problems: list[str] = []
         steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
         if made.get("bucket"):
-            steps.append(("bucket", lambda: self._call(
-                "delete bucket", self._rgw.purge_bucket, bucket,
-                read_timeout=self.config.purge_timeout_s)))
+            steps.append(("bucket", lambda: self._remove_new_bucket(bucket, made["bucket"])))
         if made.get("user"):
             steps.append(("user", lambda: self._call("delete user", self._rgw.delete_user,
                                                      user_for(bucket))))
-        if made.get("secret") and self.vault is not None:
-            vault = self.vault
-            steps.append(("vault secret", lambda: vault.delete(self.config.kv_mount,
-                                                               self._kv_path(bucket))))
         for what, step in steps:
             try:
                 await step()
@@ -752,9 +814,29 @@ class BucketCommands:
                 log.warning("rollback of bucket %s: removing the %s failed: %s", bucket, what,
                             exc)
                 problems.append(f"{what}: {exc}")
+        if made.get("secret") and self.vault is not None and not problems:
+            try:
+                await self.vault.delete(self.config.kv_mount, self._kv_path(bucket))
+            except VaultError as exc:
+                log.warning("rollback of bucket %s: removing the vault secret failed: %s",
+                            bucket, exc)
+                problems.append(f"vault secret: {exc}")
         log.warning("bucket %s creation rolled back%s", bucket,
                     f" with problems: {problems}" if problems else "")
         return problems
+
+    async def _remove_new_bucket(self, bucket: str, made: str) -> None:
+        """Purge the bucket this create made; one it may have made (the call's outcome is
+        unknown) only if RGW shows it owned by the control-plane user (the name was free at
+        the HEAD and is claimed since, so such a bucket is this call's)."""
+        if made == MAYBE:
+            stats = await self._call("bucket stats", self._rgw.stats, bucket)
+            if stats is None:
+                return
+            if str(stats.get("owner") or "") != await self._call("who am I", self._rgw.whoami):
+                return
+        await self._call("delete bucket", self._rgw.purge_bucket, bucket,
+                         read_timeout=self.config.purge_timeout_s)
 
     async def _info(self, bucket: str) -> BucketInfo:
         stats, versioning = await asyncio.gather(
@@ -818,10 +900,18 @@ class BucketCommands:
                               f"failed ({exc}); call DeleteBucket again to finish") from None
 
     async def _remove_leftovers(self, bucket: str) -> bool:
-        """After a crash or a failed cleanup: remove the user and secret of a gone bucket."""
-        removed = await self._call("delete user", self._rgw.delete_user, user_for(bucket))
+        """After a crash or a failed cleanup: remove the user and secret of a gone bucket.
+
+        A claim younger than ``CLAIM_LIVE_S`` is a create in progress on some replica (its
+        bucket not made yet): removing its user would leave it with dead keys, so the delete
+        is refused (ABORTED) until that create has ended."""
         secret = await self._vault_call("DeleteBucket", lambda v: v.read(
             self.config.kv_mount, self._kv_path(bucket)))
+        if secret is not None and secret.get("state") == "creating" and (
+                time.time() - _number(secret.get("since")) < CLAIM_LIVE_S):
+            raise BucketError("ABORTED", f"bucket {bucket!r} is being created; retry the "
+                                         "delete when that create has ended")
+        removed = await self._call("delete user", self._rgw.delete_user, user_for(bucket))
         if secret is not None:
             await self._vault_call("DeleteBucket", lambda v: v.delete(
                 self.config.kv_mount, self._kv_path(bucket)))

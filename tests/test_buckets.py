@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -41,13 +42,14 @@ from handlers.buckets import (
 )
 from handlers.buckets_config import BucketsConfig, load_buckets_config
 from handlers.config import ConfigError
-from handlers.vault import VaultKV, refresh_after
+from handlers.vault import VaultError, VaultKV, refresh_after
 from ops.devstack import free_port
 from ops.openbao import OpenBaoProcess
 from ops.rgw import RgwCluster
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import control_stub, make_settings, running_scheduler
 from tests.fixtures.storage import bucket_prefix, openbao_server, rgw_server, vault_prefix
+from tests.fixtures.waiting import wait_for
 
 __all__ = ["bucket_prefix", "openbao_server", "rgw_server", "vault_prefix"]
 
@@ -649,3 +651,94 @@ async def test_a_foreign_bucket_is_never_deleted(rgw_server, openbao_server, vau
         foreign.delete_bucket(Bucket=name)
         admin.delete_user(uid)
         admin.close()
+
+
+@pytest.mark.parametrize("slow_step", ["create_user", "create_bucket"])
+async def test_a_create_cancelled_during_an_rgw_call_leaves_nothing(
+        rgw_server, openbao_server, vault_prefix, bucket_prefix, slow_step):
+    """The client's deadline passes while RGW is still making the user (or the bucket): the
+    thread's call takes effect anyway, and the rollback, which waits for it, removes it and
+    releases the name."""
+    cmds = commands(bucket_env(rgw_server, openbao_server, vault_prefix))
+    name = f"{bucket_prefix}-cancel-{slow_step.replace('_', '-')}"
+    admin = admin_rgw(rgw_server)
+    real = getattr(cmds._rgw, slow_step)
+    entered, finished = threading.Event(), threading.Event()
+
+    def slow(*args: Any) -> Any:
+        entered.set()
+        try:
+            time.sleep(0.5)  # allowed: RGW's latency, in RGW's thread
+            return real(*args)
+        finally:
+            finished.set()
+
+    setattr(cmds._rgw, slow_step, slow)
+    try:
+        create = asyncio.create_task(cmds.create(name))
+        await wait_for(entered.is_set, timeout=30, message=f"{slow_step} never called")
+        create.cancel()  # the client's deadline passed
+        with pytest.raises(asyncio.CancelledError):
+            await create
+        # RGW has finished the call the cancelled create started
+        await wait_for(finished.is_set, timeout=30, message=f"{slow_step} never ended")
+        assert not admin.user_exists(user_for(name))
+        assert admin.stats(name) is None
+        assert vault_read(openbao_server, vault_prefix, name) is None
+        setattr(cmds._rgw, slow_step, real)
+        info, _ = await cmds.create(name)  # the name is free again
+        assert info.name == name
+        await cmds.delete(name)
+    finally:
+        await cmds.aclose()
+
+
+async def test_a_claim_whose_answer_was_lost_is_released(rgw_server, openbao_server,
+                                                         vault_prefix, bucket_prefix):
+    """Vault applied the claim but its answer never came: the claim is recognised by its
+    nonce and removed, so a retry is not told the name is being created elsewhere."""
+    cmds = commands(bucket_env(rgw_server, openbao_server, vault_prefix))
+    assert cmds.vault is not None
+    name = f"{bucket_prefix}-lostclaim"
+    write = cmds.vault.write
+
+    async def applied_then_lost(*args: Any, **kwargs: Any) -> int:
+        await write(*args, **kwargs)
+        raise VaultError("unavailable", "vault: read timed out")
+
+    cmds.vault.write = applied_then_lost  # type: ignore[method-assign]
+    try:
+        err = await bucket_error(cmds.create(name))
+        assert err.code == "UNAVAILABLE"
+        assert vault_read(openbao_server, vault_prefix, name) is None
+        cmds.vault.write = write  # type: ignore[method-assign]
+        info, _ = await cmds.create(name)
+        assert info.name == name
+        await cmds.delete(name)
+    finally:
+        await cmds.aclose()
+
+
+async def test_delete_leaves_a_create_in_progress_alone(rgw_server, openbao_server,
+                                                        vault_prefix, bucket_prefix):
+    """DeleteBucket of a name another replica is creating (claimed, bucket not made yet) is
+    refused instead of removing that create's user and keys; a stale claim is a leftover."""
+    cmds = commands(bucket_env(rgw_server, openbao_server, vault_prefix))
+    assert cmds.vault is not None
+    name = f"{bucket_prefix}-inprogress"
+    path = f"{vault_prefix.partition('/data/')[2]}/{name}"
+    admin = admin_rgw(rgw_server)
+    try:
+        admin.create_user(user_for(name), "the other replica's create")
+        await cmds.vault.write("secret", path, {"state": "creating", "claim": "x",
+                                                "since": str(int(time.time()))}, cas=0)
+        assert (await bucket_error(cmds.delete(name))).code == "ABORTED"
+        assert admin.user_exists(user_for(name))
+        # a claim older than any create can last is a crashed attempt's: removed
+        await cmds.vault.write("secret", path, {"state": "creating", "claim": "x",
+                                                "since": str(int(time.time()) - 3600)})
+        await cmds.delete(name)
+        assert not admin.user_exists(user_for(name))
+        assert vault_read(openbao_server, vault_prefix, name) is None
+    finally:
+        await cmds.aclose()
