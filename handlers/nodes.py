@@ -37,7 +37,7 @@ from handlers.config import Settings
 from handlers.liveness import RenewalLog, lease_ttl
 from handlers.modes import ModeState
 from handlers.placement import canonical_driver, canonical_type
-from handlers.specs import InvalidSpec, check_labels, validate_id
+from handlers.specs import LABELS_MAX, InvalidSpec, check_labels, validate_id
 from handlers.state import NotFound, StateWriter
 from handlers.usage import UsageSink
 from handlers.workloads import Relocator
@@ -55,6 +55,15 @@ STICKY_STATUSES = frozenset({DRAINING, "Drained"})
 #: an agent's status message is kept to this many characters: the status record is rewritten
 #: (and watched by every replica) whenever a message is new, and a record has a size limit
 MESSAGE_MAX_CHARS = 1024
+#: a usage snapshot's free-text fields (its type and source): one agent must not be able to
+#: grow the usage keys and the meter stream without bound
+USAGE_TEXT_MAX_CHARS = 64
+#: the host of a node's grpc_endpoint (a DNS name is at most 253)
+HOST_MAX_CHARS = 253
+#: storage drivers a node may declare, and the length of one name
+DRIVERS_MAX, DRIVER_MAX_CHARS = 32, 64
+#: taints a node may carry (as many as labels)
+TAINTS_MAX = LABELS_MAX
 #: a message already among the last this many characters of the log tail is not new
 RECENT_LOG_CHARS = 512
 
@@ -101,11 +110,19 @@ def normalize_types(types: Sequence[str]) -> list[str]:
 
 
 def normalize_drivers(drivers: Sequence[str]) -> list[str]:
+    """The node's storage drivers, canonical; at most ``DRIVERS_MAX`` of ``DRIVER_MAX_CHARS``
+    each (unknown names pass through, so the agent decides what it supports)."""
     out = ["local"]
     for d in drivers:
         c = canonical_driver(d)
+        if len(c) > DRIVER_MAX_CHARS:
+            raise InvalidSpec("capabilities.supported_storage_drivers",
+                              f"a driver name longer than {DRIVER_MAX_CHARS} characters")
         if c not in out:
             out.append(c)
+    if len(out) > DRIVERS_MAX:
+        raise InvalidSpec("capabilities.supported_storage_drivers",
+                          f"more than {DRIVERS_MAX} drivers")
     return out
 
 
@@ -166,7 +183,8 @@ class NodeCommands:
             node_id = validate_id("node_id", req.node_id)
             endpoint = req.grpc_endpoint.strip()
             host, sep, port_text = endpoint.rpartition(":")
-            if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            if not sep or not host or len(host) > HOST_MAX_CHARS or not port_text.isascii() \
+                    or not port_text.isdigit() or not 0 < int(port_text) < 65536:
                 raise InvalidSpec("grpc_endpoint", "required as host:port")
             caps = req.capabilities
             if caps.cpu_total_millicores < 0:
@@ -218,6 +236,9 @@ class NodeCommands:
             labels = dict(node.labels)
             labels.update(dict(req.labels))
             labels["scheduler_shard"] = self.settings.shard_key
+            if len(labels) > LABELS_MAX + 1:  # + the scheduler's own scheduler_shard
+                raise InvalidSpec("labels", f"more than {LABELS_MAX} labels together with "
+                                            "those the node has; delete some first")
             node.labels = labels
             node.domain_name = f"{node_id}.{self.settings.domain}"
             joined = previous is None or previous.status == NOT_READY
@@ -275,6 +296,8 @@ class NodeCommands:
 
         try:
             await retry_on_conflict(attempt)
+        except InvalidSpec as exc:  # found against the stored record (merged labels)
+            return RegisterOutcome(False, str(exc))
         except _Refused as exc:
             self.metrics.calls_refused.labels("RegisterNode").inc()
             log.warning("registration refused by certificate node_id=%s caller=%s: %s",
@@ -512,6 +535,8 @@ class NodeCommands:
                     t.value = value
                     break
             else:
+                if len(node.taints) >= TAINTS_MAX:
+                    raise InvalidSpec("taint", f"the node has {TAINTS_MAX} taints already")
                 node.taints.append(Taint(key=key, value=value, effect=effect))
             node.status_updated_at = rfc3339(now)
             return [Event(type="NodeTainted", node_id=node_id, reason=f"taint {key}:{effect}",
@@ -541,6 +566,9 @@ class NodeCommands:
         def mutate(node: Node) -> list[Event] | None:
             if node.labels.get(key) == value:
                 return None
+            if key not in node.labels and len(node.labels) > LABELS_MAX:
+                raise InvalidSpec("key", f"the node has {len(node.labels)} labels already "
+                                         f"(at most {LABELS_MAX} of yours)")
             node.labels[key] = value
             return [Event(type="NodeLabelSet", node_id=node_id, reason=f"label {key}={value}",
                           details={"source": "operator", "key": key, "value": value},
@@ -564,13 +592,13 @@ class NodeCommands:
 def _usage_dict(u: control_pb2.WorkloadUsageSnapshot) -> dict[str, Any]:
     return {
         # JSON has no NaN or infinity, and Go's decoder refuses them
-        "workloadId": u.workload_id, "type": u.type,
+        "workloadId": u.workload_id, "type": u.type[:USAGE_TEXT_MAX_CHARS],
         "cpuPercent": u.cpu_percent if math.isfinite(u.cpu_percent) else 0.0,
         "memoryBytes": u.memory_bytes, "diskReadBytes": u.disk_read_bytes,
         "diskWriteBytes": u.disk_write_bytes, "netRxBytes": u.net_rx_bytes,
         "netTxBytes": u.net_tx_bytes,
         "collectedAt": _collected_at(u),
-        "source": u.source,
+        "source": u.source[:USAGE_TEXT_MAX_CHARS],
     }
 
 

@@ -118,10 +118,11 @@ class PlacementDecision:
                 f"(cpu {best.cpu_headroom:.3f}, mem {best.mem_headroom:.3f}, "
                 f"spread {best.spread:.3f})"
             )
+        # "no suitable node" is what the Go e2e runner waits out (persys-facts, e2e step 3)
         if not self.rejected:
-            return "no nodes registered"
+            return "no suitable node: no nodes registered"
         parts = [f"{node}: {why}" for node, why in sorted(self.rejected.items())]
-        return "no node fits: " + "; ".join(parts)
+        return "no suitable node: " + "; ".join(parts)
 
 
 def refusal(

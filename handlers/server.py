@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Coroutine, Mapping
 from typing import Any
+from urllib.parse import quote
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -221,7 +222,8 @@ class Scheduler:
 
     def _redis_url(self) -> str:
         s = self.settings
-        auth = f":{s.redis_password}@" if s.redis_password else ""
+        # quoted: a password from `openssl rand -base64` holds '/', and '%' must stay itself
+        auth = f":{quote(s.redis_password, safe='')}@" if s.redis_password else ""
         return f"redis://{auth}{s.redis_addr}/{s.redis_db}"
 
     def health(self) -> dict[str, str]:

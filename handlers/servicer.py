@@ -229,6 +229,8 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         await self._require_writable(context)
         try:
             return await body(node_id)
+        except InvalidSpec as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NotFound:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node {node_id!r} not found")
         except Conflict as exc:
@@ -362,7 +364,12 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         await self._require_ready(context)
         if not request.node_id.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id: required")
-        if await self.cluster.nodes.get_fresh(request.node_id.strip()) is None:
+        try:
+            found = await self.cluster.nodes.get_fresh(request.node_id.strip())
+        except StoreError as exc:
+            # not in the projection, and etcd cannot say whether it was just created
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd: {exc}")
+        if found is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.node_id!r} not found")
         return control_pb2.GetNodeResponse(node=self._node_view(request.node_id.strip()))
 
@@ -395,7 +402,10 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         wid = request.workload_id.strip()
         if not wid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "workload_id: required")
-        spec = await self.cluster.specs.get_fresh(wid)
+        try:
+            spec = await self.cluster.specs.get_fresh(wid)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd: {exc}")
         if spec is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"workload {wid!r} not found")
         assert spec is not None

@@ -224,7 +224,8 @@ def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> Pa
 #: What converting a stored spec to an agent request raises when a field has the wrong shape
 #: (a JSON string where a number belongs, a list of strings for a list of objects, a number
 #: beyond the agent message's integer range).
-CONVERSION_ERRORS = (ValueError, TypeError, AttributeError, KeyError, OverflowError)
+CONVERSION_ERRORS = (ValueError, TypeError, AttributeError, KeyError, OverflowError,
+                     RecursionError)
 
 
 def check_agent_request(record: WorkloadSpec, metadata: dict[str, str], desired: str) -> None:
@@ -315,8 +316,9 @@ def _vm_from_request(spec: control_pb2.WorkloadSpec, metadata: dict[str, str]) -
     if encoded:
         try:
             decoded = json.loads(base64.b64decode(encoded))
-        except (binascii.Error, ValueError) as exc:
-            raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not base64 JSON") from exc
+        except (binascii.Error, ValueError, RecursionError) as exc:
+            raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not base64 JSON (or "
+                              "nested too deeply)") from exc
         if not isinstance(decoded, dict):
             raise InvalidSpec("spec.metadata[persys.vm_spec_b64]", "not a JSON object")
         return normalize_vm_json(decoded)

@@ -135,6 +135,15 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return asyncio.run(run_sim(args))
 
 
+def go_bool(text: str) -> bool:
+    """A boolean flag value as Go's strconv.ParseBool reads it."""
+    if text in ("1", "t", "T", "TRUE", "true", "True"):
+        return True
+    if text in ("0", "f", "F", "FALSE", "false", "False"):
+        return False
+    raise argparse.ArgumentTypeError(f"invalid boolean value {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ops.confirm import add_confirm_arguments, cmd_confirm
     from ops.sim import add_sim_arguments
@@ -143,8 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run one scheduler replica")
-    serve.add_argument("-insecure", "--insecure", action="store_true",
-                       help="no mTLS on the gRPC server; agent TLS off by default")
+    serve.add_argument("-insecure", "--insecure", nargs="?", const=True, default=False,
+                       type=go_bool, metavar="BOOL",
+                       help="no mTLS on the gRPC server; agent TLS off by default (as Go's "
+                            "flag: -insecure, -insecure=true, -insecure=false)")
     serve.set_defaults(func=cmd_serve)
     dev = sub.add_parser("dev", help="embedded etcd + Redis + scheduler + simulated nodes")
     dev.add_argument("--nodes", type=int, default=20)

@@ -69,7 +69,7 @@ def test_no_node_fits_lists_every_reason():
     got = decide(REQ, nodes)
     assert got.node_id is None
     assert set(got.rejected) == {f"n{i}" for i in range(5)}
-    assert got.reason.startswith("no node fits")
+    assert got.reason.startswith("no suitable node: ")
 
 
 node_st = st.builds(

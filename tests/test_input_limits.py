@@ -1,0 +1,109 @@
+"""Inputs that must be answered, not crash a handler or grow a record without bound: each is
+refused naming its field (in-band for the persys RPCs, a status code for the new ones)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import grpc
+import pytest
+
+from handlers.config import load_settings
+from handlers.nodes import USAGE_TEXT_MAX_CHARS, _usage_dict
+from handlers.server import Scheduler
+from handlers.specs import LABELS_MAX, InvalidSpec, parse_apply
+from ops.cli import build_parser
+from proto.persys.control.v1 import control_pb2 as pb
+from tests.fixtures.harness import control_stub, make_settings, running_scheduler
+from tests.fixtures.waiting import wait_for
+
+
+def register_request(node_id: str, *, endpoint: str = "127.0.0.1:50051",
+                     labels: dict[str, str] | None = None,
+                     drivers: list[str] | None = None) -> pb.RegisterNodeRequest:
+    return pb.RegisterNodeRequest(
+        node_id=node_id, grpc_endpoint=endpoint, labels=labels or {},
+        capabilities=pb.NodeCapabilities(cpu_total_millicores=4000, memory_total_mb=8192,
+                                         supported_workload_types=["container"],
+                                         supported_storage_drivers=drivers or []))
+
+
+def test_usage_free_text_is_capped() -> None:
+    usage = _usage_dict(pb.WorkloadUsageSnapshot(workload_id="w1", type="t" * 3_000_000,
+                                                 source="\x01" * 3_000_000))
+    assert len(usage["type"]) == USAGE_TEXT_MAX_CHARS
+    assert len(usage["source"]) == USAGE_TEXT_MAX_CHARS
+
+
+def test_a_redis_password_with_url_characters_is_taken_as_is() -> None:
+    password = "Zk3s9/Qx+7=#a%41?"
+    settings = load_settings({"REDIS_ADDR": "127.0.0.1:1", "REDIS_PASSWORD": password,
+                              "ETCD_ENDPOINTS": "127.0.0.1:2"}, insecure=True)
+    scheduler = Scheduler(settings)
+    assert scheduler.redis is not None
+    assert scheduler.redis.connection_pool.connection_kwargs["password"] == password
+
+
+@pytest.mark.parametrize(("argv", "insecure"), [
+    (["serve"], False), (["serve", "-insecure"], True), (["serve", "-insecure=true"], True),
+    (["serve", "-insecure=false"], False), (["serve", "--insecure=1"], True)])
+def test_insecure_flag_reads_like_go(argv: list[str], insecure: bool) -> None:
+    assert build_parser().parse_args(argv).insecure is insecure
+
+
+def test_a_deeply_nested_vm_spec_is_an_invalid_spec() -> None:
+    nested = ('{"disks":' + "[" * 50_000).encode()
+    req = pb.ApplyWorkloadRequest(
+        workload_id="vm-1", spec=pb.WorkloadSpec(type="vm", metadata={
+            "persys.vm_spec_b64": base64.b64encode(nested).decode()}))
+    with pytest.raises(InvalidSpec) as caught:
+        parse_apply(req, created_at="2026-12-01T00:00:00Z")
+    assert caught.value.field == "spec.metadata[persys.vm_spec_b64]"
+
+
+async def test_registration_inputs_are_bounded(etcd_server, redis_server, key_root,
+                                               stream_key) -> None:
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched, \
+            control_stub(f"127.0.0.1:{sched.grpc_port}") as stub:
+        resp = await stub.RegisterNode(register_request("n1", endpoint="127.0.0.1:5\u00b2"))
+        assert not resp.accepted
+        assert resp.reason.startswith("grpc_endpoint:")
+        resp = await stub.RegisterNode(register_request("n1", drivers=["d" * 65]))
+        assert not resp.accepted
+        assert "supported_storage_drivers" in resp.reason
+        # labels merge with those stored: the total stays bounded
+        first = {f"a{i}": "v" for i in range(LABELS_MAX)}
+        assert (await stub.RegisterNode(register_request("n1", labels=first))).accepted
+        more = await stub.RegisterNode(register_request(
+            "n1", labels={f"b{i}": "v" for i in range(10)}))
+        assert not more.accepted
+        assert more.reason.startswith("labels:")
+        await wait_for(lambda: sched.cluster.nodes.get("n1") is not None)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SetNodeLabel(pb.SetNodeLabelRequest(node_id="n1", key="one-more",
+                                                           value="v"))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "labels already" in (caught.value.details() or "")
+        # an existing label can still change
+        changed = await stub.SetNodeLabel(pb.SetNodeLabelRequest(node_id="n1", key="a1",
+                                                                 value="w"))
+        assert changed.accepted
+
+
+async def test_reads_answer_unavailable_while_etcd_is_down(etcd_private, redis_server,
+                                                           key_root, stream_key) -> None:
+    settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                             etcd_timeout_s=1.0)
+    async with running_scheduler(settings) as sched, \
+            control_stub(f"127.0.0.1:{sched.grpc_port}") as stub:
+        await asyncio.to_thread(etcd_private.pause)
+        try:
+            for call in (stub.GetNode(pb.GetNodeRequest(node_id="nobody")),
+                         stub.GetWorkload(pb.GetWorkloadRequest(workload_id="nothing"))):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value
+        finally:
+            await asyncio.to_thread(etcd_private.resume)
