@@ -93,6 +93,29 @@ class _Placed:
     node_mod: int = 0
 
 
+#: what one workload's spec and status may take once stored (JSON, which escapes control
+#: characters sixfold): etcd refuses a request over 1.5 MiB, and the transaction carries the
+#: workload's events and its node's allocation too
+RECORD_MAX_BYTES = 1024 * 1024
+#: metadata keys a workload's status may carry (updates merge theirs into it)
+METADATA_MAX_KEYS = 512
+
+
+def stored_records(spec: WorkloadSpec, status: WorkloadStatus) -> tuple[bytes, bytes] | Outcome:
+    """The spec and status as stored, or INVALID_SPEC when they would not fit etcd."""
+    if len(status.metadata) > METADATA_MAX_KEYS:
+        return Outcome(False, "INVALID_SPEC",
+                       f"spec.metadata: the workload would carry {len(status.metadata)} "
+                       f"metadata keys (at most {METADATA_MAX_KEYS})")
+    spec_bytes, status_bytes = encode(spec), encode(status)
+    size = len(spec_bytes) + len(status_bytes)
+    if size > RECORD_MAX_BYTES:
+        return Outcome(False, "INVALID_SPEC",
+                       f"spec: {size} bytes once stored (its JSON, with the status), at most "
+                       f"{RECORD_MAX_BYTES}: shorten the environment, compose YAML or metadata")
+    return spec_bytes, status_bytes
+
+
 def required_drivers(spec: WorkloadSpec) -> frozenset[str]:
     volumes = list(spec.managed_volumes)
     if spec.vm:
@@ -258,6 +281,10 @@ class WorkloadCommands:
         if isinstance(placed, Outcome):
             return placed
         mark_apply_requested(placed.status, spec, now)
+        stored = stored_records(spec, placed.status)
+        if isinstance(stored, Outcome):
+            return stored
+        spec_bytes, status_bytes = stored
         cpu_m, mem_mb = request_of(spec)
         disk_compares, disk_puts = (disks.writes(self.layout, spec.id, placed.node_id, now)
                                     if disks else ([], []))
@@ -266,8 +293,8 @@ class WorkloadCommands:
             node_mod=placed.node_mod,
             compares=[Compare.absent(self.layout.spec(spec.id)),
                       Compare.absent(self.layout.status(spec.id)), *disk_compares],
-            puts=[Put(self.layout.spec(spec.id), encode(spec), category="spec"),
-                  Put(self.layout.status(spec.id), encode(placed.status), category="status"),
+            puts=[Put(self.layout.spec(spec.id), spec_bytes, category="spec"),
+                  Put(self.layout.status(spec.id), status_bytes, category="status"),
                   *(p for p in placed.change.puts if p.category == "assignment"), *disk_puts],
             alone=bool(disk_compares),
             events=[Event(type="WorkloadScheduled", workload_id=spec.id,
@@ -373,8 +400,11 @@ class WorkloadCommands:
             status = placed.status
         if status.node_id and spec.desired_state != "Deleted":
             mark_apply_requested(status, spec, now)
-        puts += [Put(self.layout.spec(spec.id), encode(spec), category="spec"),
-                 Put(self.layout.status(spec.id), encode(status), category="status")]
+        stored = stored_records(spec, status)
+        if isinstance(stored, Outcome):
+            return stored
+        puts += [Put(self.layout.spec(spec.id), stored[0], category="spec"),
+                 Put(self.layout.status(spec.id), stored[1], category="status")]
         try:
             committed = await self.committer.commit(Change(kind="workload", compares=compares,
                                                            puts=puts, events=events))

@@ -107,3 +107,38 @@ async def test_reads_answer_unavailable_while_etcd_is_down(etcd_private, redis_s
                 assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value
         finally:
             await asyncio.to_thread(etcd_private.resume)
+
+
+async def test_workload_records_that_would_not_fit_etcd_are_invalid_specs(
+        etcd_server, redis_server, key_root, stream_key) -> None:
+    """The request limit counts protobuf bytes; JSON escapes control characters sixfold, so a
+    spec under it can still be too large to store. And updates merge their metadata into the
+    status: it stays bounded instead of growing until no write of the workload fits."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched, \
+            control_stub(f"127.0.0.1:{sched.grpc_port}") as stub:
+        assert (await stub.RegisterNode(register_request("n1"))).accepted
+        await wait_for(lambda: sched.cluster.alive.get("n1") is not None)
+        spec = pb.WorkloadSpec(type="container", container=pb.ContainerSpec(
+            image="busybox:1", env={"BLOB": "\x01" * 300_000}),
+            resources=pb.ResourceRequirements(cpu_millicores=100, memory_mb=64))
+        resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-big",
+                                                                spec=spec))
+        assert not resp.success
+        assert resp.failure_reason == pb.INVALID_SPEC
+        assert resp.error_message.startswith("spec:"), resp.error_message
+        assert sched.cluster.specs.get("w-big") is None
+        base = pb.WorkloadSpec(type="container", container=pb.ContainerSpec(image="busybox:1"),
+                               resources=pb.ResourceRequirements(cpu_millicores=100,
+                                                                 memory_mb=64))
+        answers = []
+        for round_ in range(5):
+            base.container.image = f"busybox:1.{round_}"
+            base.metadata.clear()
+            base.metadata.update({f"k{round_}-{i}": "v" for i in range(150)})
+            answers.append(await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="w-meta", spec=base)))
+        assert [a.success for a in answers[:3]] == [True, True, True]
+        assert not answers[3].success
+        assert answers[3].failure_reason == pb.INVALID_SPEC
+        assert answers[3].error_message.startswith("spec.metadata:")
