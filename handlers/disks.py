@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,11 +94,15 @@ def validate(req: DiskRequest) -> dict[str, Any]:
 
 class DiskCommands:
     def __init__(self, etcd: AsyncEtcd, committer: Committer, layout: KeyLayout,
-                 clock: Clock) -> None:
+                 clock: Clock, *,
+                 volume_users: Callable[[str, str], list[str]] | None = None) -> None:
         self.etcd = etcd
         self.committer = committer
         self.layout = layout
         self.clock = clock
+        #: the workloads whose specs hold a managed volume of (driver, name): a disk made
+        #: with that name would be their volume on the agent, which knows volumes by those two
+        self.volume_users = volume_users
 
     async def _all(self) -> list[tuple[KeyValue, dict[str, Any]]]:
         return (await self._listed())[0]
@@ -129,6 +134,13 @@ class DiskCommands:
                 if existing.get("standalone") and existing.get("name") == fields["name"]:
                     raise DiskError("ALREADY_EXISTS",
                                     f"name: a disk named {fields['name']!r} exists")
+            users = (self.volume_users(str(fields.get("driver") or "local"), fields["name"])
+                     if self.volume_users is not None else [])
+            if users:
+                # a disk force-deleted while attached is still their volume on the agent
+                raise DiskError("ALREADY_EXISTS",
+                                f"name: workloads {sorted(users)[:10]} still have a volume "
+                                f"named {fields['name']!r}; delete or update them first")
             now = rfc3339(self.clock.now())
             disk_id = f"disk-{uuid.uuid4()}"
             record = {"id": disk_id, **fields, "createdAt": now, "updatedAt": now}

@@ -49,7 +49,7 @@ from handlers.supervisor import ModeSupervisor
 from handlers.tls import ServerCertificates
 from handlers.usage import UsageSink
 from handlers.vault import VaultKV
-from handlers.workloads import Relocator, WorkloadCommands
+from handlers.workloads import Relocator, WorkloadCommands, managed_volumes_of
 from projections.cluster import ClusterProjection
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc
 
@@ -206,8 +206,9 @@ class Scheduler:
                                         workloads=self.workloads, usage=self.usage,
                                         events=self.events, mode=self.mode,
                                         metrics=self.metrics,
-                                        disks=DiskCommands(self.etcd, self.committer,
-                                                           self.layout, self.clock),
+                                        disks=DiskCommands(
+                                            self.etcd, self.committer, self.layout, self.clock,
+                                            volume_users=self._volume_users),
                                         buckets=build_buckets(os.environ))
         self.http = HttpEndpoint(self.metrics.registry, self.health)
         self.tasks = TaskOwner()
@@ -219,6 +220,13 @@ class Scheduler:
         from handlers.loops import register_loops
 
         register_loops(self)
+
+    def _volume_users(self, driver: str, name: str) -> list[str]:
+        """The workloads whose specs hold a managed volume ``name`` of ``driver``."""
+        return [wid for wid, item in self.cluster.specs.items.items()
+                if any(isinstance(v, dict) and v.get("name") == name
+                       and (v.get("driver") or "local") == driver
+                       for v in managed_volumes_of(item.value))]
 
     def _redis_url(self) -> str:
         s = self.settings

@@ -13,6 +13,7 @@ state that includes the winning write.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,9 +255,38 @@ class WorkloadCommands:
         return _Placed(change, node_id, decision.reason, spec, status,
                        node_mod=node_item.mod_revision)
 
+    async def _inline_volume_clash(self, spec: WorkloadSpec) -> Outcome | None:
+        """INVALID_SPEC when an inline managed volume takes a standalone disk's driver and
+        name: the agent knows a volume by those two, so it would be that disk, shared past the
+        disk's access mode. A disk is attached with ``persys.disk.ids`` instead."""
+        inline = {(str(v.get("driver")), str(v.get("name"))): i
+                  for i, v in enumerate(managed_volumes_of(spec))
+                  if isinstance(v, dict) and not v.get("disk_id")}
+        if not inline:
+            return None
+        kvs, _ = await self.committer.etcd.list_prefix(self.layout.volumes_prefix)
+        for kv in kvs:
+            try:
+                disk = json.loads(kv.value)
+            except ValueError:
+                continue
+            if not isinstance(disk, dict):
+                continue
+            index = inline.get((str(disk.get("driver") or "local"), str(disk.get("name"))))
+            if index is not None:
+                return Outcome(False, "INVALID_SPEC",
+                               f"spec.managed_volumes[{index}].name: {disk.get('name')!r} "
+                               f"({disk.get('driver') or 'local'}) is disk "
+                               f"{disk.get('id') or kv.key.rsplit('/', 1)[-1]!r}; attach "
+                               f"it with {DISK_FIELD} instead")
+        return None
+
     async def _create(self, parsed: ParsedApply) -> Outcome:
         assert parsed.spec is not None
         spec = copy_record(parsed.spec)
+        clash = await self._inline_volume_clash(spec)
+        if clash is not None:
+            return clash
         disk_ids = disk_ids_of(parsed.metadata, spec.vm)
         disks = None
         if disk_ids:
@@ -352,6 +382,9 @@ class WorkloadCommands:
                                 timestamp=self.clock.now()))
         else:
             new = copy_record(parsed.spec)
+            clash = await self._inline_volume_clash(new)
+            if clash is not None:
+                return clash
             kept_disks = _disk_volumes(old_spec)
             # a workload stored before disks were attached here (or by the Go version) names
             # them in its metadata only: unchanged if it names the same ones
@@ -540,10 +573,14 @@ def delete_workload_change(
     return change
 
 
+def managed_volumes_of(spec: WorkloadSpec) -> list[Any]:
+    """A spec's managed volumes (a VM keeps its own list)."""
+    return list(spec.managed_volumes or (spec.vm or {}).get("managedVolumes") or [])
+
+
 def _disk_volumes(spec: WorkloadSpec) -> list[dict[str, Any]]:
     """The managed volumes a stored spec got from standalone disks."""
-    volumes = spec.managed_volumes or (spec.vm or {}).get("managedVolumes") or []
-    return [v for v in volumes if isinstance(v, dict) and v.get("disk_id")]
+    return [v for v in managed_volumes_of(spec) if isinstance(v, dict) and v.get("disk_id")]
 
 
 def _add_volumes(spec: WorkloadSpec, volumes: list[dict[str, Any]]) -> None:

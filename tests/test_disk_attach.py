@@ -203,3 +203,26 @@ async def test_a_workload_that_named_its_disk_before_attachment_releases_it(clus
         return not (await get_disk(stub, disk.id)).workload_refs
 
     await wait_for(released, timeout=15, message="the older record's disk released")
+
+
+async def test_a_disk_name_never_reaches_a_second_workload_past_its_access_mode(cluster):
+    """The agent knows a volume by driver and name: an inline volume with a disk's name, or a
+    disk made again under the name of one force-deleted while attached, would be that disk's
+    backing volume on a second workload. Both are refused, naming the field."""
+    _, _, stub = cluster
+    disk = (await stub.CreateDisk(pb.CreateDiskRequest(name="pgdata", driver="nfs"))).disk
+    assert (await stub.ApplyWorkload(with_disks("w1", disk.id))).success
+    spec = container_spec()
+    spec.container.managed_volumes.add(name="pgdata", driver="nfs", size_gb=1)
+    inline = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w2", spec=spec))
+    assert not inline.success
+    assert inline.failure_reason == pb.INVALID_SPEC
+    assert inline.error_message.startswith("spec.managed_volumes[0].name:")
+    await stub.DeleteDisk(pb.DeleteDiskRequest(disk_id=disk.id, force=True))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.CreateDisk(pb.CreateDiskRequest(name="pgdata", driver="nfs"))
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "w1" in (caught.value.details() or "")
+    # another driver's volume of that name is another volume
+    other = await stub.CreateDisk(pb.CreateDiskRequest(name="pgdata", driver="local"))
+    assert other.disk.id
