@@ -7,6 +7,8 @@ marks). etcd (3.3 and later) accepts nested transactions: an outer transaction w
 whose success branch holds one sub-transaction per change. Each sub-transaction keeps its own
 compares and succeeds or fails alone, so grouping changes nothing about what any one change
 means; the group is applied at one revision, in one Raft entry and one gateway round trip.
+A group is first sent flat (all compares, all writes: cheaper for etcd to decode), and nested
+only when that fails on a compare (see ``AsyncEtcd.txn_group``).
 
 Rules:
 
@@ -229,7 +231,10 @@ class GroupCommit:
         for pending in group:
             subs.append((pending.compares, pending.ops(self.layout, seq)))
             seq += len(pending.events)
-        revision, outcomes = await self.etcd.txn_group(subs)
+        revision, outcomes, nested = await self.etcd.txn_group(subs)
+        if nested:
+            # sent flat first unless too wide; nested is the second try after a failed compare
+            self.metrics.etcd_txn_requests.labels("group-nested").inc()
         for pending, succeeded in zip(group, outcomes, strict=True):
             settle(pending.future, result=(succeeded, revision))
 

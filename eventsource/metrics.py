@@ -23,7 +23,8 @@ class Metrics:
         self.etcd_txn_requests = Counter(
             "etcd_txn_requests",
             "etcd transaction requests sent (shape=group carries several changes, each counted "
-            "in etcd_txns)", ["shape"], namespace=ns, subsystem=sub, registry=r,
+            "in etcd_txns; group-nested: a group sent again nested after its flat form failed "
+            "a compare)", ["shape"], namespace=ns, subsystem=sub, registry=r,
         )
         self.etcd_writes = Counter(
             "etcd_writes", "etcd keys written by category", ["category"],

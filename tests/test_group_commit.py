@@ -48,6 +48,8 @@ async def test_concurrent_changes_share_transactions_and_keep_their_outcomes(
         grouped = counter_total(metrics.etcd_txn_requests, shape="group")
         assert grouped > 0, (requests, grouped)
         assert requests < 200, (requests, grouped)
+        # a group with a failing compare is sent again nested, so each change keeps its outcome
+        assert counter_total(metrics.etcd_txn_requests, shape="group-nested") > 0
         assert counter_total(metrics.etcd_txns, kind="test", result="committed") == 160
         assert counter_total(metrics.etcd_txns, kind="test", result="conflict") == 40
         # events of different changes in one transaction never share a stream id
@@ -146,6 +148,34 @@ async def test_prefix_compares_never_share_a_transaction_with_writes_under_them(
         await etcd.txn([], [Delete(f"{prefix}nothing")])
         assert await claim(99)
         assert counter_total(metrics.etcd_txn_requests, shape="group") > 0
+    finally:
+        await committer.aclose()
+        etcd.close()
+
+
+async def test_a_group_without_conflicts_is_one_flat_transaction(etcd_server, key_root):
+    """Conflict-free changes that fit etcd's operation limit go in one flat transaction: one
+    request, nothing sent nested, every change committed at the same revision."""
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    metrics = Metrics()
+    layout = KeyLayout(key_root)
+    committer = Committer(etcd, layout, metrics, outbox_enabled=True)
+    try:
+        changes = [Change(kind="test", compares=[Compare.absent(f"{key_root}/f/{i}")],
+                          puts=[Put(f"{key_root}/f/{i}", b"v")],
+                          events=[Event(type="NodeLabelSet", node_id=f"n{i}",
+                                        details={"key": "k", "value": "v"})])
+                   for i in range(30)]
+        revisions = await asyncio.gather(*(committer.commit(c) for c in changes))
+        grouped = counter_total(metrics.etcd_txn_requests, shape="group")
+        assert grouped > 0
+        assert counter_total(metrics.etcd_txn_requests, shape="group-nested") == 0
+        assert len({r.revision for r in revisions}) <= counter_total(
+            metrics.etcd_txn_requests)
+        kvs, _ = await etcd.list_prefix(f"{key_root}/f/")
+        assert len(kvs) == 30
+        outbox, _ = await etcd.list_prefix(layout.outbox(""))
+        assert len({(kv.mod_revision, json.loads(kv.value)["seq"]) for kv in outbox}) == 30
     finally:
         await committer.aclose()
         etcd.close()
