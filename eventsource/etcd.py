@@ -487,7 +487,7 @@ class AsyncEtcd:
     ) -> tuple[int, list[bool], bool]:
         """Several independent transactions in one request; returns the revision, per entry
         of ``subs`` whether its compares held (and its ops applied), and whether the group
-        went nested.
+        was sent a second time (nested, after its flat form failed a compare).
 
         First as one flat transaction (all compares, all ops), when it fits etcd's operation
         limit: the gateway decodes a nested transaction's bytes once per level, which made a
@@ -499,7 +499,8 @@ class AsyncEtcd:
         """
         compares = [c for sub_compares, _ in subs for c in sub_compares]
         ops = [op for _, sub_ops in subs for op in sub_ops]
-        if len(compares) <= MAX_TXN_OPS and len(ops) <= MAX_TXN_OPS:
+        tried_flat = len(compares) <= MAX_TXN_OPS and len(ops) <= MAX_TXN_OPS
+        if tried_flat:
             flat = await self.txn(compares, ops)
             if flat.succeeded:
                 return flat.revision, [True] * len(subs), False
@@ -516,7 +517,7 @@ class AsyncEtcd:
         if len(responses) != len(subs):
             raise Unavailable(f"etcd /kv/txn: {len(responses)} answers for {len(subs)} changes")
         outcomes = [bool(r.get("response_txn", {}).get("succeeded", False)) for r in responses]
-        return int(result.get("header", {}).get("revision", 0)), outcomes, True
+        return int(result.get("header", {}).get("revision", 0)), outcomes, tried_flat
 
     async def current_revision(self) -> int:
         result = await self.post("/kv/range", {"key": b64("\0"), "count_only": True})

@@ -231,9 +231,9 @@ class GroupCommit:
         for pending in group:
             subs.append((pending.compares, pending.ops(self.layout, seq)))
             seq += len(pending.events)
-        revision, outcomes, nested = await self.etcd.txn_group(subs)
-        if nested:
-            # sent flat first unless too wide; nested is the second try after a failed compare
+        revision, outcomes, second_try = await self.etcd.txn_group(subs)
+        if second_try:
+            # sent flat first (unless too wide), then nested after a failed compare
             self.metrics.etcd_txn_requests.labels("group-nested").inc()
         for pending, succeeded in zip(group, outcomes, strict=True):
             settle(pending.future, result=(succeeded, revision))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -228,6 +229,13 @@ def reraise_swallowed_cancel() -> None:
 
 
 # -- clients ----------------------------------------------------------------------------------
+
+
+def redis_url(addr: str, password: str, db: int) -> str:
+    """``redis://`` for ``host:port`` with ``password`` quoted: one from ``openssl rand
+    -base64`` holds '/', and '%' must stay itself (go-redis takes the password as is)."""
+    auth = f":{quote(password, safe='')}@" if password else ""
+    return f"redis://{auth}{addr}/{db}"
 
 
 def writer_client(

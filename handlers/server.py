@@ -13,7 +13,6 @@ import logging
 import os
 from collections.abc import Coroutine, Mapping
 from typing import Any
-from urllib.parse import quote
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,7 +24,7 @@ from eventsource.etcd import AsyncEtcd
 from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
-from eventsource.stream import RedisEventLog, StreamTailer, writer_client
+from eventsource.stream import RedisEventLog, StreamTailer, redis_url, writer_client
 from handlers.access import AgentRoleInterceptor
 from handlers.agents import AgentPool, TlsFiles
 from handlers.batcher import PlacementBatcher
@@ -230,9 +229,7 @@ class Scheduler:
 
     def _redis_url(self) -> str:
         s = self.settings
-        # quoted: a password from `openssl rand -base64` holds '/', and '%' must stay itself
-        auth = f":{quote(s.redis_password, safe='')}@" if s.redis_password else ""
-        return f"redis://{auth}{s.redis_addr}/{s.redis_db}"
+        return redis_url(s.redis_addr, s.redis_password, s.redis_db)
 
     def health(self) -> dict[str, str]:
         s = self.settings

@@ -20,10 +20,11 @@ import os
 import sys
 from typing import Any
 
+from eventsource.errors import StoreError
 from eventsource.etcd import AsyncEtcd
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
-from eventsource.stream import RedisEventLog, writer_client
+from eventsource.stream import RedisEventLog, StreamError, redis_url, writer_client
 from handlers.config import ConfigError, etcd_tls_from_env
 from projections.cluster import ClusterProjection
 from projections.event_views import EventView
@@ -97,40 +98,61 @@ def check_invariants(cluster: ClusterProjection) -> list[str]:
 
 
 async def replay(args: argparse.Namespace) -> int:
+    """Exit 0: invariants hold; 1: violated; 2: could not check (bad input, unreachable)."""
     endpoints = [e for e in args.etcd.split(",") if e.strip()]
+    if not endpoints:
+        print("replay: --etcd: no endpoint given", file=sys.stderr)
+        return 2
+    if args.revision < 0:
+        print("replay: --revision: must not be negative (0 = current)", file=sys.stderr)
+        return 2
     try:
         tls = etcd_tls_from_env(os.environ)
     except ConfigError as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
     etcd = AsyncEtcd(endpoints, tls=tls)
-    layout = KeyLayout(args.root)
     try:
-        cluster = await rebuild_cluster(etcd, layout, args.revision)
-        report: dict[str, Any] = {
-            "revision": cluster.nodes.revision,
-            "nodes": len(cluster.nodes.items),
-            "workloads": len(cluster.specs.items),
-            "allocations": len(cluster.allocations.items),
-            "alive": len(cluster.alive.items),
-        }
-        problems = check_invariants(cluster)
-        report["problems"] = problems
-        if args.redis:
-            client = writer_client(f"redis://{args.redis}/{args.redis_db}")
-            try:
-                view = await rebuild_events(RedisEventLog(client, args.stream))
-            finally:
-                await client.aclose()
-            types: dict[str, int] = {}
-            for entry in view.entries:
-                types[entry.type] = types.get(entry.type, 0) + 1
-            report["events"] = len(view.entries)
-            report["event_types"] = types
-        print(json.dumps(report, indent=2))
-        return 1 if problems else 0
+        return await _replay(args, etcd)
+    except (StoreError, StreamError) as exc:
+        print(f"replay: could not read the state: {exc}", file=sys.stderr)
+        return 2
     finally:
         etcd.close()
+
+
+async def _replay(args: argparse.Namespace, etcd: AsyncEtcd) -> int:
+    layout = KeyLayout(args.root)
+    if args.revision:
+        current = await etcd.current_revision()
+        if args.revision > current:
+            print(f"replay: --revision: {args.revision} is ahead of etcd's current revision "
+                  f"{current}", file=sys.stderr)
+            return 2
+    cluster = await rebuild_cluster(etcd, layout, args.revision)
+    report: dict[str, Any] = {
+        "revision": cluster.nodes.revision,
+        "nodes": len(cluster.nodes.items),
+        "workloads": len(cluster.specs.items),
+        "allocations": len(cluster.allocations.items),
+        "alive": len(cluster.alive.items),
+    }
+    problems = check_invariants(cluster)
+    report["problems"] = problems
+    if args.redis:
+        client = writer_client(redis_url(args.redis, os.environ.get("REDIS_PASSWORD", ""),
+                                         args.redis_db))
+        try:
+            view = await rebuild_events(RedisEventLog(client, args.stream))
+        finally:
+            await client.aclose()
+        types: dict[str, int] = {}
+        for entry in view.entries:
+            types[entry.type] = types.get(entry.type, 0) + 1
+        report["events"] = len(view.entries)
+        report["event_types"] = types
+    print(json.dumps(report, indent=2))
+    return 1 if problems else 0
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +160,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", default=os.environ.get("SCHEDULER_ETCD_ROOT", ""))
     parser.add_argument("--revision", type=int, default=0, help="etcd revision (0 = current)")
     parser.add_argument("--redis", default=os.environ.get("REDIS_ADDR", ""))
-    parser.add_argument("--redis-db", type=int, default=int(os.environ.get("REDIS_DB", "0")))
+    # converted by argparse, and only when replay runs: a bad REDIS_DB must not break the
+    # other subcommands' parsing
+    parser.add_argument("--redis-db", type=int, default=os.environ.get("REDIS_DB") or "0")
     parser.add_argument("--stream", default=os.environ.get("SCHEDULER_EVENT_STREAM",
                                                            "scheduler:events"))
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from eventsource.stream import RedisEventLog
-from ops.replay import check_invariants, cluster_snapshot, rebuild_cluster, rebuild_events
+from eventsource.stream import RedisEventLog, redis_url, writer_client
+from ops.cli import build_parser
+from ops.replay import (
+    check_invariants,
+    cluster_snapshot,
+    rebuild_cluster,
+    rebuild_events,
+    replay,
+)
 from projections.event_views import EventView, ViewFilter
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
@@ -72,3 +79,28 @@ def test_event_view_is_bounded_and_ignores_replays():
     assert [e.stream_id for e in view.newest(ViewFilter(node_id="a"), 10)] == ["7-0", "9-0"]
     assert not view.complete
     assert isinstance(RedisEventLog, type)
+
+
+def test_a_bad_redis_db_breaks_only_replay(monkeypatch) -> None:
+    """REDIS_DB is read by replay's option; a bad value must not break every subcommand."""
+    monkeypatch.setenv("REDIS_DB", "")
+    assert build_parser().parse_args(["replay"]).redis_db == 0
+    monkeypatch.setenv("REDIS_DB", "abc")
+    assert build_parser().parse_args(["serve"]).command == "serve"
+
+
+async def test_replay_answers_what_it_could_not_check_with_exit_2(etcd_server, capsys) -> None:
+    parser = build_parser()
+    assert await replay(parser.parse_args(["replay", "--etcd", "127.0.0.1:1"])) == 2
+    assert "could not read the state" in capsys.readouterr().err
+    assert await replay(parser.parse_args(["replay", "--revision", "-5"])) == 2
+    ahead = ["replay", "--etcd", etcd_server.endpoint, "--revision", "999999999"]
+    assert await replay(parser.parse_args(ahead)) == 2
+    assert "ahead of etcd's current revision" in capsys.readouterr().err
+
+
+def test_redis_urls_take_the_password_as_is() -> None:
+    url = redis_url("h:6379", "Zk3s9/Qx+7=#a%41?", 2)
+    assert url.endswith("@h:6379/2")
+    pool = writer_client(url).connection_pool
+    assert pool.connection_kwargs["password"] == "Zk3s9/Qx+7=#a%41?"
