@@ -246,6 +246,21 @@ def etcd_tls_from_env(env: Mapping[str, str]) -> EtcdTls | None:
     return EtcdTls(*files) if any(files) else None
 
 
+def require_tls_files(settings: Settings) -> None:
+    """The ``PERSYS_TLS_*`` files ``serve`` will read, checked before anything starts: a
+    missing one names its variable instead of ending in a traceback. Skipped when Vault issues
+    them (the certificate manager writes them before the server starts)."""
+    uses_files = not settings.insecure or settings.agent_tls_enabled
+    if not uses_files or settings.vault_enabled:
+        return
+    for name, path in (("PERSYS_TLS_CA", settings.tls_ca), ("PERSYS_TLS_CERT", settings.tls_cert),
+                       ("PERSYS_TLS_KEY", settings.tls_key)):
+        if not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ConfigError(f"{name}: {path!r} is not a readable file (mTLS needs it; run "
+                              "with -insecure, or PERSYS_VAULT_ENABLED=true to have Vault "
+                              "issue it)")
+
+
 def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings:
     """Read and validate every setting; raises ``ConfigError`` naming the variable."""
     r = _Reader(env)

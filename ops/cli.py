@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from handlers.config import ConfigError, Settings, load_settings
+from handlers.config import ConfigError, Settings, load_settings, require_tls_files
 from handlers.logs import configure_logging
 
 
@@ -46,6 +46,7 @@ async def _serve(settings: Settings) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(os.environ, insecure=args.insecure)
+        require_tls_files(settings)
     except ConfigError as exc:
         print(f"persys-scheduler: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -78,3 +80,15 @@ def test_garbage_and_a_missing_file_keep_the_last_good(files, caplog):
     assert len(warnings(caplog)) == 2
     with pytest.raises(FileNotFoundError):  # nothing to fall back to at start
         ServerCertificates(str(paths["ca"]), str(paths["cert"]), str(paths["key"]))
+
+
+def test_serve_without_its_certificate_files_names_the_variable(tmp_path) -> None:
+    """A first start without -insecure and without the files: one line naming the variable,
+    exit 2, instead of a FileNotFoundError traceback."""
+    env = {"PATH": os.environ.get("PATH", ""), "PERSYS_TLS_CA": str(tmp_path / "ca.pem"),
+           "ETCD_ENDPOINTS": "127.0.0.1:1"}
+    done = subprocess.run([sys.executable, "-m", "ops.cli", "serve"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "PERSYS_TLS_CA" in done.stderr
+    assert "Traceback" not in done.stderr
