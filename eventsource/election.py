@@ -85,7 +85,10 @@ async def observe_leader(etcd: AsyncEtcd, prefix: str) -> KeyValue | None:
 
 
 class Session:
-    """One lease kept alive every TTL/3 by a task this object owns.
+    """One lease kept alive by a task this object owns, every TTL/3, or every half of the
+    renew deadline its holder checks with :meth:`held` when that is shorter (renewing only
+    every TTL/3 against a deadline of TTL/3 or less would make a healthy holder look overdue
+    between two keepalives, and its leadership flap).
 
     Use as ``async with Session(etcd, ttl=15) as session:`` or call :meth:`start` and
     :meth:`close` explicitly.
@@ -98,11 +101,14 @@ class Session:
         ttl: int,
         clock: Clock | None = None,
         retry_interval: float = 0.5,
+        renew_deadline: float | None = None,
     ) -> None:
         if ttl < 2:
             raise ValueError("lease TTL must be at least 2 seconds (etcd's minimum)")
         self._etcd = etcd
         self.ttl = ttl
+        #: seconds between keepalives
+        self.interval = min(ttl / 3.0, renew_deadline / 2.0) if renew_deadline else ttl / 3.0
         self._clock: Clock = clock or SystemClock()
         self._retry_interval = retry_interval
         self._lease_id = 0
@@ -174,7 +180,7 @@ class Session:
             raise
 
     async def _renew_until_lost(self) -> None:
-        interval = self.ttl / 3.0
+        interval = self.interval
         delay = interval
         while True:
             await asyncio.sleep(delay)

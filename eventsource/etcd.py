@@ -519,6 +519,13 @@ class AsyncEtcd:
         outcomes = [bool(r.get("response_txn", {}).get("succeeded", False)) for r in responses]
         return int(result.get("header", {}).get("revision", 0)), outcomes, tried_flat
 
+    async def alarms(self, *, lane: Lane = BULK) -> list[str]:
+        """The cluster's active alarms (``NOSPACE``, ``CORRUPT``): while one is raised, etcd
+        answers reads and refuses writes."""
+        result = await self.post("/maintenance/alarm", {"action": "GET"}, lane=lane)
+        return sorted({str(a.get("alarm", "")) for a in result.get("alarms", []) or []
+                       if a.get("alarm") not in (None, "", "NONE")})
+
     async def current_revision(self) -> int:
         result = await self.post("/kv/range", {"key": b64("\0"), "count_only": True})
         return int(result.get("header", {}).get("revision", 0))

@@ -420,7 +420,8 @@ class Relay:
 
     async def _term(self) -> None:
         """One lease: campaign, lead until the lease or the leadership is lost."""
-        session = Session(self._etcd, ttl=self._lease_ttl, clock=self._clock)
+        session = Session(self._etcd, ttl=self._lease_ttl, clock=self._clock,
+                          renew_deadline=self._renew_deadline)
         await session.start()
         try:
             election = Election(

@@ -31,7 +31,7 @@ from eventsource.clock import Clock
 from eventsource.commit import Change, Committer
 from eventsource.election import Election, Leadership, Session
 from eventsource.errors import Conflict, LeaseLost, NotLeader, StoreError
-from eventsource.etcd import AsyncEtcd, Compare, Put
+from eventsource.etcd import SESSION, AsyncEtcd, Compare, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
@@ -42,6 +42,10 @@ log = logging.getLogger("persys.leader")
 
 #: node ids whose ownership ``LeaderGate.owns`` remembers before it starts over
 OWNERSHIP_MEMO_MAX = 65_536
+#: how often a leader checks that its election key is still its own (at most)
+KEY_CHECK_S = 1.0
+#: a change of wall clock minus monotonic clock larger than this is a clock step
+CLOCK_STEP_S = 1.0
 
 
 def owns_node(node_id: str, *, active_active: bool, shard_count: int, shard_index: int) -> bool:
@@ -195,7 +199,8 @@ class LeaderGate:
     async def run(self) -> None:
         """Campaign, lead, lose, repeat; returns only when cancelled."""
         while True:
-            session = Session(self.etcd, ttl=self.lease_ttl_s, clock=self.clock)
+            session = Session(self.etcd, ttl=self.lease_ttl_s, clock=self.clock,
+                              renew_deadline=self.renew_deadline_s)
             try:
                 await session.start()
                 election = Election(self.etcd, session, self.prefix, self.instance_id)
@@ -230,15 +235,29 @@ class LeaderGate:
             callback()
         self._start_jobs()
         check = min(0.25, self.renew_deadline_s / 4)
+        key_every = min(KEY_CHECK_S, self.renew_deadline_s / 3)
+        key_checked = self.clock.monotonic()
+        wall_offset = self._wall_offset()
+        reason = ""
         lost = asyncio.ensure_future(session.lost.wait())
         try:
             while self.renew_ok() and not lost.done():
                 reraise_swallowed_cancel()  # one an awaited call swallowed
                 await asyncio.wait({lost}, timeout=check)
+                offset = self._wall_offset()
+                if abs(offset - wall_offset) > CLOCK_STEP_S:
+                    self._wall_clock_stepped(offset - wall_offset)
+                    wall_offset = offset
+                if self.clock.monotonic() - key_checked >= key_every:
+                    key_checked = self.clock.monotonic()
+                    reason = await self._key_gone(leadership)
+                    if reason:
+                        break
         finally:
             lost.cancel()
         log.warning("leadership lost election_key=%s term=%d reason=%s", leadership.key,
-                    leadership.term, session.lost_reason or "renew deadline passed")
+                    leadership.term,
+                    reason or session.lost_reason or "renew deadline passed")
         # stop every leader-only task before anything else, resigning included
         self._stop_jobs()
         await self._cancel_group()
@@ -247,6 +266,38 @@ class LeaderGate:
                 await election.resign()
         except (StoreError, TimeoutError) as exc:
             log.info("resign after loss: %s", exc)
+
+    async def _key_gone(self, leadership: Leadership) -> str:
+        """Why the election key no longer makes this replica leader ("" while it does).
+
+        The lease alone is not enough: a key deleted while its lease lives (by hand, by a
+        cleanup script) lets another replica win while this one, still renewing, would go on
+        calling agents as leader. An unanswered check decides nothing: the renew deadline
+        covers an unreachable etcd."""
+        try:
+            kv = await self.etcd.get(leadership.key, lane=SESSION)
+        except StoreError as exc:
+            log.info("election key check failed: %s", exc)
+            return ""
+        if kv is None:
+            return "election key deleted"
+        if kv.create_revision != leadership.create_revision or kv.lease != leadership.lease_id:
+            return "election key replaced"
+        return ""
+
+    def _wall_offset(self) -> float:
+        return self.clock.now().timestamp() - self.clock.monotonic()
+
+    def _wall_clock_stepped(self, step_s: float) -> None:
+        """APScheduler times its jobs by the wall clock: after a step back every job would
+        wait out the step (no reconcile, no node monitor for that long) while this replica
+        still leads; each job is made due now instead (a running cycle is not disturbed)."""
+        log.warning("wall clock stepped by %+.1fs; leader loops rescheduled", step_s)
+        if self._jobs is None:
+            return
+        now = datetime.now(UTC)
+        for job in self._jobs.get_jobs():
+            job.modify(next_run_time=now)
 
     async def step_down(self) -> None:
         """Clean shutdown while leading: record LeaderLost (fenced), then the caller resigns."""

@@ -24,12 +24,16 @@ class Probe:
     has_state: bool
     allow_empty_state: bool
     error: str = ""
+    #: etcd's active alarms: with one raised (NOSPACE, CORRUPT) reads work, writes fail
+    alarms: tuple[str, ...] = ()
 
 
 def decide_mode(probe: Probe) -> tuple[str, str]:
     """(mode, reason) for a probe."""
     if not probe.etcd_ok:
         return DEGRADED, f"etcd unreachable: {probe.error}" if probe.error else "etcd unreachable"
+    if probe.alarms:
+        return DEGRADED, f"etcd refuses writes: alarm {', '.join(probe.alarms)}"
     if probe.initialized and not probe.has_state:
         if probe.allow_empty_state:
             return NORMAL, "empty state allowed (SCHEDULER_ALLOW_EMPTY_STATE)"

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from eventsource.clock import Clock, SystemClock
 from eventsource.commit import Committer
+from eventsource.errors import StoreError
 from eventsource.etcd import AsyncEtcd
 from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
@@ -258,6 +259,12 @@ class Scheduler:
                 return
             self.tasks.start("certs", self.certs.run)
         self.tasks.start("projections", self.cluster.run)
+        # the mode is known before anything can write: a cluster that must start in recovery
+        # (marker, no state) must not take a registration first
+        try:
+            await self.supervisor.tick()
+        except StoreError as exc:
+            log.warning("first mode probe failed: %s", exc)
         self.tasks.start("mode-supervisor", self.supervisor.run)
         if self.tailer is not None:
             await self.tailer.start()

@@ -52,11 +52,12 @@ class ModeSupervisor:
             # out and put a healthy replica in degraded mode)
             marker = await self.etcd.get(self.layout.initialized, lane=SESSION)
             state = await has_state(self.etcd, self.layout, lane=SESSION)
+            alarms = await self.etcd.alarms(lane=SESSION)
         except StoreError as exc:
             return Probe(etcd_ok=False, initialized=False, has_state=False,
                          allow_empty_state=self.allow_empty_state, error=str(exc))
         return Probe(etcd_ok=True, initialized=marker is not None, has_state=state,
-                     allow_empty_state=self.allow_empty_state)
+                     allow_empty_state=self.allow_empty_state, alarms=tuple(alarms))
 
     async def tick(self) -> None:
         probe = await self.probe()
@@ -69,9 +70,9 @@ class ModeSupervisor:
                 type="SchedulerModeChanged", reason=reason, timestamp=now,
                 details={"from": previous, "to": mode, "instance_id": self.instance_id,
                          "changed_at": rfc3339(now)}))
-        if probe.etcd_ok and probe.has_state and not probe.initialized:
+        if probe.etcd_ok and not probe.alarms and probe.has_state and not probe.initialized:
             await self._mark_initialized()
-        if self._pending and probe.etcd_ok:
+        if self._pending and probe.etcd_ok and not probe.alarms:
             try:
                 await self.committer.commit(Change(kind="mode", events=list(self._pending)))
                 self._pending.clear()
