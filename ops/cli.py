@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -63,6 +64,8 @@ async def _dev(args: argparse.Namespace) -> int:
     from ops.sim import Fleet, NodeBehaviour
 
     tune_gc()
+    # a directory of our own making is removed on exit; one the user named is kept
+    owned_dir = not args.data_dir
     data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(
         prefix="persys-dev-"))
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +115,8 @@ async def _dev(args: argparse.Namespace) -> int:
             await scheduler.stop()
         redis.stop()
         etcd.stop()
+        if owned_dir:
+            shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def cmd_dev(args: argparse.Namespace) -> int:

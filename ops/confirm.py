@@ -54,7 +54,11 @@ async def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"confirm-empty-state: {exc}", file=sys.stderr)
         return 2
-    etcd = AsyncEtcd([e for e in args.etcd.split(",") if e.strip()], tls=tls)
+    endpoints = [e for e in args.etcd.split(",") if e.strip()]
+    if not endpoints:
+        print("confirm-empty-state: --etcd: no endpoint given", file=sys.stderr)
+        return 2
+    etcd = AsyncEtcd(endpoints, tls=tls)
     try:
         code, message = await confirm_empty_state(etcd, KeyLayout(args.root))
     except StoreError as exc:
