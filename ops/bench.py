@@ -270,7 +270,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = {
         "scenario": scenario.name,
         "nodes": args.nodes,
-        "workloads": args.workloads,
+        "workloads": args.workloads if scenario.uses_workloads else 0,
         "replicas": len(args.scheduler) if args.scheduler else args.replicas,
         "figures": outcome.figures,
         "notes": outcome.notes,

@@ -134,4 +134,4 @@ async def run(ctx: BenchContext) -> Outcome:
 
 
 SCENARIO = Scenario(name="events", summary=__doc__.splitlines()[0] if __doc__ else "events",
-                    figures=FIGURES, run=run)
+                    figures=FIGURES, run=run, uses_workloads=False)

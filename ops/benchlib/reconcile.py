@@ -281,7 +281,7 @@ def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, inter
         out.note("cycle_time_p99_ms", f"replica(s) {short} ran fewer cycles than asked")
     rpcs = 0.0
     writes = 0.0
-    phases: Counter[str] = Counter()
+    phases: dict[str, float] = {}
     by_method: Counter[str] = Counter()
     by_category: Counter[str] = Counter()
     for r in done:
@@ -296,10 +296,11 @@ def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, inter
         for category, n in delta.by_label(WRITES, "category").items():
             by_category[category] += round(n / r.cycles)
         for phase, seconds in delta.by_label(PHASES, "phase").items():
-            phases[phase] += seconds / r.cycles / len(done)
+            phases[phase] = phases.get(phase, 0.0) + seconds / r.cycles / len(done)
     if phases:
         out.note("cycle_time_p50_ms", "mean wall time per cycle by phase: " + ", ".join(
-            f"{phase} {seconds * 1000:,.0f} ms" for phase, seconds in phases.most_common()))
+            f"{phase} {seconds * 1000:,.0f} ms"
+            for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1])))
     if any(r.last is not None and r.last.exports(RPCS) for r in done):
         out.figures["agent_rpcs_per_cycle"] = round(rpcs, 1)
         out.note("agent_rpcs_per_cycle", "by method: " + _fmt(by_method))

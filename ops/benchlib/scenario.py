@@ -60,6 +60,8 @@ class Scenario:
     fleet_in_process: bool = False
     #: Kills scheduler processes: refused against a scheduler the bench did not start.
     kills_processes: bool = False
+    #: Applies ``--workloads`` workloads (the report's "workloads" is 0 otherwise).
+    uses_workloads: bool = True
 
 
 @dataclass
