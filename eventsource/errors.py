@@ -28,6 +28,12 @@ class Unavailable(StoreError):
     """etcd (or Redis) could not be reached or answered with a server error."""
 
 
+class OutcomeUnknown(Unavailable):
+    """A write reached an etcd endpoint, and no answer says whether it was applied (a timeout,
+    a 503 "request timed out" or "leader changed"). It is not sent to another endpoint: it
+    might be applied twice."""
+
+
 class Compacted(StoreError):
     """A watch or a read at a revision that etcd has already compacted away."""
 

@@ -14,6 +14,7 @@ import base64
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,10 +24,10 @@ import requests
 from etcd3gw import exceptions as etcd_exc
 from etcd3gw.client import Etcd3Client
 
-from eventsource.errors import Compacted, LeaseLost, Unavailable
+from eventsource.errors import Compacted, LeaseLost, OutcomeUnknown, Unavailable
 from eventsource.etcdtls import EtcdTls
 from eventsource.keys import prefix_end
-from eventsource.lean_http import LeanSession
+from eventsource.lean_http import LeanSession, RequestNotSent
 
 log = logging.getLogger("persys.etcd")
 
@@ -34,7 +35,7 @@ T = TypeVar("T")
 
 
 def b64(data: bytes | str) -> str:
-    raw = data.encode() if isinstance(data, str) else data
+    raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
     return base64.b64encode(raw).decode("ascii")
 
 
@@ -56,7 +57,9 @@ class KeyValue:
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> KeyValue:
         return cls(
-            key=unb64(raw.get("key")).decode(),
+            # any bytes: a key under the root that is not UTF-8 (another tool's) must not
+            # stop a watch; it round-trips through b64() unchanged
+            key=unb64(raw.get("key")).decode("utf-8", "surrogateescape"),
             value=unb64(raw.get("value")),
             create_revision=int(raw.get("create_revision", 0)),
             mod_revision=int(raw.get("mod_revision", 0)),
@@ -201,6 +204,10 @@ def parse_endpoint(endpoint: str, default_protocol: str = "http") -> tuple[str, 
 
 #: answers etcd3gw treats as a connection failure (so the next endpoint is tried)
 RETRY_ELSEWHERE = frozenset({408, 503, 504})
+#: gateway methods that change etcd: after a failure that leaves their outcome unknown they are
+#: never sent to another endpoint (OutcomeUnknown), only when they provably were not sent
+WRITE_PATHS = frozenset({"/kv/txn", "/kv/put", "/kv/deleterange", "/lease/grant",
+                         "/kv/compaction"})
 
 #: etcd 3.5's gateway decodes a streaming request body with a first read of at most 512 bytes,
 #: and Go's HTTP/1.1 server discards what is still unread once the first answer is flushed: only
@@ -319,14 +326,19 @@ class AsyncEtcd:
                                               self._default_protocol)
         return f"{protocol}://{host}:{port}"
 
-    def _on_endpoints(self, path: str, call: Callable[[int], T]) -> T:
-        """``call(index)`` on the current endpoint, then on each next one while it raises
-        ``_TryElsewhere``; the endpoint that answered becomes the current one."""
+    def _on_endpoints(self, path: str, call: Callable[[int, float], T], deadline: float) -> T:
+        """``call(index, timeout)`` on the current endpoint, then on each next one while it
+        raises ``_TryElsewhere``, never past ``deadline`` (monotonic): once the caller has
+        given up nothing more is sent. The endpoint that answered becomes the current one."""
         last: object = None
         for attempt in range(len(self.endpoints)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Unavailable(f"etcd {path}: no answer before the deadline"
+                                  + (f" ({last})" if last is not None else ""))
             index = (self._current + attempt) % len(self.endpoints)
             try:
-                result = call(index)
+                result = call(index, min(self.timeout, remaining))
             except _TryElsewhere as exc:
                 last = exc.reason
                 continue
@@ -336,12 +348,20 @@ class AsyncEtcd:
             return result
         raise Unavailable(f"etcd {path}: all endpoints failed: {last}")
 
-    def _post_blocking(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        def call(index: int) -> dict[str, Any]:
+    def _post_blocking(self, path: str, body: dict[str, Any], deadline: float
+                       ) -> dict[str, Any]:
+        write = path in WRITE_PATHS
+
+        def call(index: int, timeout: float) -> dict[str, Any]:
             client = self._client(index)
+            client.timeout = timeout  # this thread's own client
             try:
                 return dict(client.post(client.get_url(path), json=body))
             except (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError) as exc:
+                if write and not isinstance(exc.__context__, RequestNotSent):
+                    # sent, and maybe applied (a timeout, or the gateway's 503 for "request
+                    # timed out" / "leader changed"): another endpoint could apply it twice
+                    raise OutcomeUnknown(f"etcd {path}: outcome unknown: {exc}") from exc
                 raise _TryElsewhere(exc) from exc
             except etcd_exc.Etcd3Exception as exc:
                 detail = str(getattr(exc, "detail_text", "") or exc)
@@ -351,12 +371,14 @@ class AsyncEtcd:
                     raise LeaseLost(detail) from exc
                 raise Unavailable(f"etcd {path}: {detail}") from exc
             except requests.RequestException as exc:
+                if write and not isinstance(exc, RequestNotSent):
+                    raise OutcomeUnknown(f"etcd {path}: outcome unknown: {exc}") from exc
                 raise _TryElsewhere(exc) from exc
 
-        return self._on_endpoints(path, call)
+        return self._on_endpoints(path, call, deadline)
 
-    def _post_stream_blocking(self, path: str, requests_: Sequence[dict[str, Any]]
-                              ) -> list[dict[str, Any]]:
+    def _post_stream_blocking(self, path: str, requests_: Sequence[dict[str, Any]],
+                              deadline: float) -> list[dict[str, Any]]:
         """One call of a streaming gateway method: the requests go newline-delimited in one
         body, and the answers come back the same way, one ``{"result": ...}`` per request.
 
@@ -369,10 +391,10 @@ class AsyncEtcd:
             raise ValueError(f"etcd {path}: a streaming body of {len(body)} bytes would not be "
                              f"read whole (at most {STREAM_BODY_MAX})")
 
-        def call(index: int) -> list[dict[str, Any]]:
+        def call(index: int, timeout: float) -> list[dict[str, Any]]:
             try:
                 response = self._session(index).post_bytes(f"/v3{path}", body,
-                                                           timeout=self.timeout)
+                                                           timeout=timeout)
             except requests.RequestException as exc:
                 raise _TryElsewhere(exc) from exc
             if response.status_code in RETRY_ELSEWHERE:
@@ -388,25 +410,30 @@ class AsyncEtcd:
                 raise Unavailable(f"etcd {path}: {message}")
             return results
 
-        return self._on_endpoints(path, call)
+        return self._on_endpoints(path, call, deadline)
 
-    async def _in_lane(self, lane: Lane, what: str, call: Callable[[], T]) -> T:
-        """Run a blocking call on a lane's pool, bounded by the client timeout (which
-        includes the wait for a thread of the lane)."""
+    async def _in_lane(self, lane: Lane, what: str, call: Callable[[float], T]) -> T:
+        """Run a blocking ``call(deadline)`` on a lane's pool, bounded by the client timeout
+        (which includes the wait for a thread of the lane). The thread gets the same
+        monotonic deadline, so it sends nothing once the caller has stopped waiting (a write
+        that landed after its caller was told UNAVAILABLE)."""
         if self._closed:
             raise Unavailable("etcd client closed")
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._lanes[lane], call)
-        deadline = self.timeout * len(self.endpoints) + 1.0
+        budget = self.timeout * len(self.endpoints)
+        deadline = time.monotonic() + budget
+        future = loop.run_in_executor(self._lanes[lane], call, deadline)
         try:
-            return await asyncio.wait_for(future, timeout=deadline)
+            # a little past the thread's own deadline: the thread's answer wins a tie
+            return await asyncio.wait_for(future, timeout=budget + 1.0)
         except TimeoutError as exc:
-            raise Unavailable(f"etcd {what}: timed out after {deadline:.1f}s") from exc
+            raise Unavailable(f"etcd {what}: timed out after {budget + 1.0:.1f}s") from exc
 
     async def post(self, path: str, body: dict[str, Any], *,
                    lane: Lane = BULK) -> dict[str, Any]:
         """One gateway call on one of the lanes (see ``__init__``)."""
-        return await self._in_lane(lane, path, lambda: self._post_blocking(path, body))
+        return await self._in_lane(
+            lane, path, lambda deadline: self._post_blocking(path, body, deadline))
 
     # -- key-value --------------------------------------------------------------------------
     async def get(self, key: str, *, revision: int = 0, lane: Lane = BULK) -> KeyValue | None:
@@ -564,7 +591,8 @@ class AsyncEtcd:
         requests_ = [{"ID": str(lease_id)} for lease_id in lease_ids]
         results = await self._in_lane(
             lane, "/lease/keepalive",
-            lambda: self._post_stream_blocking("/lease/keepalive", requests_))
+            lambda deadline: self._post_stream_blocking("/lease/keepalive", requests_,
+                                                         deadline))
         asked = set(lease_ids)
         ttls: dict[int, int] = {}
         for result in results:

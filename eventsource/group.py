@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from eventsource.errors import StoreError
+from eventsource.errors import LeaseLost, OutcomeUnknown, StoreError
 from eventsource.etcd import MAX_TXN_OPS, AsyncEtcd, Compare, Delete, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
@@ -201,8 +201,12 @@ class GroupCommit:
             else:
                 await self._send_group(group)
         except StoreError as exc:
-            if len(group) > 1 and ("duplicate key" in str(exc) or "too many" in str(exc)):
-                # never expected (keys and sizes are checked above); stay correct anyway
+            refused = isinstance(exc, LeaseLost) or "duplicate key" in str(exc) or (
+                "too many" in str(exc))
+            if len(group) > 1 and refused and not isinstance(exc, OutcomeUnknown):
+                # the whole transaction was refused, nothing applied: a dead lease in one
+                # change (a node's liveness lease) must not fail the others; duplicate keys and
+                # sizes are checked above and never expected, but stay correct anyway
                 log.warning("group commit refused, sending one by one: %s", exc)
                 for pending in group:
                     try:

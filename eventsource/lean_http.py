@@ -34,6 +34,11 @@ class ProtocolError(Exception):
     """The peer sent something that is not an HTTP/1.x response we can frame."""
 
 
+class RequestNotSent(requests.exceptions.ConnectionError):
+    """The request never left whole (no connection, TLS failed, the send failed): the server
+    cannot have acted on it, so it may be sent elsewhere, write or not."""
+
+
 class LeanResponse:
     """The parts of ``requests.Response`` etcd3gw reads."""
 
@@ -212,10 +217,17 @@ class LeanSession:
     def post_bytes(self, path: str, body: bytes, *, timeout: float | None = None) -> LeanResponse:
         """POST a body as it is: a streaming gateway method takes newline-delimited JSON."""
         try:
-            reader = self._connection(timeout)
-            reader.sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\n"
-                                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                                % (path.encode(), self._host_header, len(body), body))
+            try:
+                reader = self._connection(timeout)
+                reader.sock.sendall(
+                    b"POST %s HTTP/1.1\r\nHost: %s\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (path.encode(), self._host_header, len(body), body))
+            except (requests.exceptions.RequestException, OSError, ssl.SSLError) as exc:
+                # no connection, no TLS, or the send failed (TimeoutError is an OSError): the
+                # server never read a whole request
+                self.close()
+                raise RequestNotSent(f"etcd {path}: not sent: {exc!r}") from exc
             status, reason, data, keep_alive = read_response(reader)
         except requests.exceptions.RequestException:  # already in etcd3gw's terms
             self.close()

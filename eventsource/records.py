@@ -249,14 +249,20 @@ def _copy_json(value: Any) -> Any:
 class _FieldCodec:
     """How one field is read and written, derived once from its dataclass declaration."""
 
-    __slots__ = ("attr", "default", "inner", "json_name", "kind")
+    __slots__ = ("attr", "container", "default", "inner", "json_name", "kind", "nullable")
 
-    def __init__(self, attr: str, json_name: str, kind: str, inner: Any, default: Any) -> None:
+    def __init__(self, attr: str, json_name: str, kind: str, inner: Any, default: Any, *,
+                 nullable: bool = True, container: type | None = None) -> None:
         self.attr = attr
         self.json_name = json_name
         self.kind = kind  # plain | int | float | str | record | record_list | optional_record
         self.inner = inner
         self.default = default
+        #: whether the declared type admits None (Optional); a null for any other field is
+        #: read as the field's default (Go writes a nil slice or map as null)
+        self.nullable = nullable
+        #: list or dict for a plain container field: another JSON type there is undecodable
+        self.container = container
 
 
 class RecordCodec:
@@ -281,7 +287,12 @@ class RecordCodec:
             json_name = letter_case(f.name) if letter_case else f.name
             hint = hints[f.name]
             kind, inner = self._classify(hint)
-            self.fields.append(_FieldCodec(f.name, json_name, kind, inner, f))
+            origin = typing.get_origin(hint)
+            nullable = hint is Any or (
+                origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint))
+            container = origin if origin in (list, dict) else None
+            self.fields.append(_FieldCodec(f.name, json_name, kind, inner, f,
+                                           nullable=nullable, container=container))
         self.known = frozenset(fc.json_name for fc in self.fields)
 
     @staticmethod
@@ -312,9 +323,12 @@ class RecordCodec:
             value = data[fc.json_name]
             kind = fc.kind
             if value is None:
-                if kind in ("optional_record", "plain"):
+                if kind in ("optional_record", "plain") and fc.nullable:
                     kwargs[fc.attr] = None
-                continue
+                continue  # the default, below
+            if fc.container is not None and not isinstance(value, fc.container):
+                raise TypeError(f"{fc.json_name}: a {fc.container.__name__} was expected, "
+                                f"not {type(value).__name__}")
             if kind == "record":
                 kwargs[fc.attr] = CODECS[fc.inner].decode(value) if isinstance(value, dict) else (
                     fc.inner()
@@ -324,6 +338,9 @@ class RecordCodec:
                 kwargs[fc.attr] = inner.decode(value) if isinstance(value, dict) else None
             elif kind == "record_list":
                 codec = CODECS[fc.inner]
+                if not isinstance(value, list):
+                    raise TypeError(f"{fc.json_name}: a list was expected, "
+                                    f"not {type(value).__name__}")
                 kwargs[fc.attr] = [codec.decode(v) for v in value if isinstance(v, dict)]
             elif kind == "int":
                 kwargs[fc.attr] = int(value) if isinstance(value, int | float) else 0

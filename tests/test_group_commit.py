@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from eventsource.commit import Change, Committer
-from eventsource.errors import Conflict
+from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import AsyncEtcd, Compare, Delete, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
@@ -200,4 +200,34 @@ async def test_a_flat_group_that_fails_a_compare_is_sent_again_nested(etcd_serve
         assert await etcd.get(f"{key_root}/g/b") is None
         assert await etcd.get(f"{key_root}/g/c") is not None
     finally:
+        etcd.close()
+
+
+async def test_a_dead_lease_in_one_change_does_not_fail_the_others(etcd_server,
+                                                                   key_root) -> None:
+    """etcd refuses a whole transaction that puts a key on an unknown lease; the group is then
+    sent change by change, so only that change fails."""
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    metrics = Metrics()
+    layout = KeyLayout(key_root)
+    committer = Committer(etcd, layout, metrics, outbox_enabled=False)
+    try:
+        lease = await etcd.lease_grant(10)
+        await etcd.lease_revoke(lease)
+        def change(i: int) -> Change:
+            return Change(kind="test", puts=[Put(f"{key_root}/l/{i}", b"v")])
+
+        # four changes fill the transactions in flight; what comes next rides in one group
+        ahead = [committer.commit(change(i)) for i in range(4)]
+        dead = committer.commit(Change(kind="test", puts=[
+            Put(f"{key_root}/l/dead", b"v", lease=lease)]))
+        behind = [committer.commit(change(i)) for i in range(4, 9)]
+        results = await asyncio.gather(*ahead, dead, *behind, return_exceptions=True)
+        assert isinstance(results[4], StoreError), results[4]
+        assert not any(isinstance(r, BaseException) for i, r in enumerate(results) if i != 4)
+        assert counter_total(metrics.etcd_txn_requests, shape="group") > 0
+        kvs, _ = await etcd.list_prefix(f"{key_root}/l/")
+        assert sorted(kv.key.rsplit("/", 1)[1] for kv in kvs) == [str(i) for i in range(9)]
+    finally:
+        await committer.aclose()
         etcd.close()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -108,3 +110,16 @@ def test_copy_record_of_a_status_equals_deepcopy_and_shares_nothing(metadata, us
     if copied.status_info.reason is not None:
         copied.status_info.reason.code = "changed"
     assert encode(original) == snapshot, "changing the copy changed the original"
+
+
+def test_null_containers_from_go_read_as_their_defaults() -> None:
+    """Go's encoder writes a nil slice or map as null: that is an empty list or map here,
+    never None in a field typed as a container (a projection listener once died on it)."""
+    node = decode(Node, json.dumps({"nodeId": "n1", "supportedStorageDrivers": None,
+                                    "labels": None, "taints": None}).encode())
+    assert node is not None
+    assert node.supported_storage_drivers == []
+    assert node.labels == {}
+    assert node.taints == []
+    with pytest.raises(TypeError):
+        decode(Node, json.dumps({"nodeId": "n1", "labels": ["not", "a", "map"]}).encode())
