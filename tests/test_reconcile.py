@@ -803,6 +803,37 @@ async def test_a_node_whose_heartbeat_came_back_is_neither_lost_nor_removed(
         assert s.sched.cluster.nodes.get(node_id) is not None
 
 
+async def test_the_monitor_moves_every_workload_of_a_lost_node_in_one_pass(
+    etcd_server, redis_server, key_root, stream_key
+):
+    """Every move off one node rewrites that node's allocation: moves from one node go one at
+    a time, so none is lost to another's compare (30 moves once left 22 to later cycles)."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 3) as s:
+        ids = [f"burst-{i}" for i in range(60)]
+        await s.apply(ids)
+        await wait_for(lambda: all(s.agent_state(w) == "Running" for w in ids), timeout=60)
+        await s.caught_up()
+        counts: dict[str, int] = {}
+        for w in ids:
+            counts[s.status(w).node_id] = counts.get(s.status(w).node_id, 0) + 1
+        victim = max(counts, key=lambda node_id: counts[node_id])
+        assert counts[victim] >= 10, counts
+        await s.fleet.node(victim).crash()
+        monitor = s.loops.monitor
+
+        async def moved_once() -> Any:
+            report = await monitor.run_once(now=s.sched.clock.now() + timedelta(seconds=60))
+            return report if report.relocations else None
+
+        report = await wait_for(moved_once, timeout=40, message="the lost node's workloads "
+                                "were never moved")
+        assert report.relocations.get("moved", 0) == counts[victim], report.relocations
+        assert not report.relocations.get("error"), report.relocations
+        await s.caught_up()
+        assert not [w for w in ids if s.status(w).node_id == victim]
+
+
 # -- overlap -------------------------------------------------------------------------------------
 
 async def test_two_cycles_never_run_at_once(etcd_server, redis_server, key_root, stream_key):
