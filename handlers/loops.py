@@ -117,6 +117,7 @@ from handlers.specs import (
     DELETING_STATUSES,
     agent_apply_request,
     being_deleted,
+    compute_revision,
     normalize_desired_state,
     request_of,
 )
@@ -722,6 +723,10 @@ class ReconcileLoop(_Shell):
             # must not be undone by the apply the plan asked for
             return False
         desired = STOPPED if action.kind == APPLY_STOPPED else "Running"
+        if normalize_desired_state(spec.desired_state) != desired:
+            # the desired state changed since the plan (a stop after a planned re-apply): its
+            # own apply is on its way, and this one would undo it
+            return False
         try:
             request = agent_apply_request(spec, status_item.value.metadata, desired)
         except CONVERSION_ERRORS as exc:  # a spec stored before ApplyWorkload checked it
@@ -754,6 +759,11 @@ class ReconcileLoop(_Shell):
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if node_of(status) != node_id or status.status in DELETING_STATUSES:
                 return None
+            current = self.cluster.specs.get(wid)
+            if current is None or (current.value.revision_id
+                                   or compute_revision(current.value)) != revision or (
+                    normalize_desired_state(current.value.desired_state) != desired):
+                return None  # superseded while the call ran: the newer change's record stands
             meta = status.metadata
             meta.update(agent_meta)
             if action.kind == REAPPLY:

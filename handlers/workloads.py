@@ -69,8 +69,11 @@ def mark_apply_requested(status: WorkloadStatus, spec: WorkloadSpec, now: str) -
 
 REAPPLY_KEYS = ("lastApplyRequestAt", "lastApplyRevision", "lastLaunchTime", "reapplyAttempts",
                 "reapplyNextAt")
+#: what marks a workload failed for good (``reconcile.halted`` reads the first and
+#: ``failure_reason``, the agent's answer merged into the status): a retry or a new spec clears
+#: them, or the workload would be marked Failed again while it runs
 TERMINAL_KEYS = ("retry_terminal", "retry_terminal_reason", "terminal_failure_reason",
-                 "failureObservedAt", "failureGraceUntil")
+                 "failure_reason", "failureObservedAt", "failureGraceUntil")
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,8 +415,12 @@ class WorkloadCommands:
             status.status = "Updating"
             status.status_info.actual_state = "Pending"
             status.status_info.last_updated = now
-            for key in REAPPLY_KEYS:
+            # a new spec is a new start: the old one's failures (an invalid image, a spent
+            # retry budget) must not halt it
+            for key in REAPPLY_KEYS + TERMINAL_KEYS:
                 status.metadata.pop(key, None)
+            status.retry.attempts = 0
+            status.retry.next_retry_at = ""
             events.append(Event(type="WorkloadScheduled", workload_id=spec.id,
                                 node_id=status.node_id, reason="Workload updated",
                                 details={"revision_id": spec.revision_id},

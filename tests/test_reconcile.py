@@ -834,6 +834,76 @@ async def test_the_monitor_moves_every_workload_of_a_lost_node_in_one_pass(
         assert not [w for w in ids if s.status(w).node_id == victim]
 
 
+async def test_a_stop_after_the_plan_is_not_undone_by_the_planned_reapply(
+        etcd_server, redis_server, key_root, stream_key):
+    """The cycle plans a re-apply (the agent lost the workload); the user stops it before the
+    action runs. The stale re-apply is not sent, and arms no re-apply guard."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
+    async with stack(settings, 1, heartbeat_interval_s=900) as s:
+        await s.apply(["svc"])
+        await wait_for(lambda: s.agent_state("svc") == "Running", timeout=15)
+        s.fleet.hold_control(True)
+        node = s.holder("svc")
+        node.kill_workloads(["svc"])
+        await s.caught_up()
+        now = last_apply(s.status("svc")) + timedelta(seconds=60)
+        loop = s.loops.reconcile
+        original = loop._apply
+
+        async def stopped_first(action: Any, views: Any, report: Any, when: Any) -> bool:
+            resp = await s.stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="svc", desired_state="stop"))
+            assert resp.success, resp
+            await s.caught_up()
+            await wait_for(lambda: node.workload_state("svc") == "Stopped", timeout=10)
+            result: bool = await original(action, views, report, when)
+            return result
+
+        loop._apply = stopped_first  # type: ignore[method-assign]
+        try:
+            report = await loop.run_once(now=now)
+        finally:
+            loop._apply = original  # type: ignore[method-assign]
+        assert report.actions == {REAPPLY: 1}, report
+        await s.caught_up()
+        assert node.workload_state("svc") == "Stopped"
+        assert REAPPLY_ATTEMPTS not in s.status("svc").metadata
+
+
+async def test_a_retry_clears_a_non_retryable_failure_reason(
+        etcd_server, redis_server, key_root, stream_key):
+    """``failure_reason`` (the agent's, merged into the status) halts re-applies; RetryWorkload
+    clears it, or the next cycle would mark the running workload Failed again."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
+    async with stack(settings, 1, heartbeat_interval_s=900) as s:
+        await s.apply(["img"])
+        await wait_for(lambda: s.agent_state("img") == "Running", timeout=15)
+        s.fleet.hold_control(True)
+        node = s.holder("img")
+
+        def agent_said_invalid_image(status: Any) -> list[Any]:
+            status.metadata["failure_reason"] = "INVALID_IMAGE"
+            return []
+
+        await s.sched.writer.update_status("img", agent_said_invalid_image)
+        node.kill_workloads(["img"])
+        await s.caught_up()
+        now = last_apply(s.status("img")) + timedelta(seconds=60)
+        await s.loops.reconcile.run_once(now=now)
+        await s.caught_up()
+        assert s.status("img").status == "Failed"
+        resp = await s.stub.RetryWorkload(pb.RetryWorkloadRequest(workload_id="img"))
+        assert resp.accepted
+        await s.caught_up()
+        await wait_for(lambda: node.workload_state("img") == "Running", timeout=10)
+        assert "failure_reason" not in s.status("img").metadata
+        await s.loops.reconcile.run_once(now=now + timedelta(seconds=120))
+        await s.caught_up()
+        assert s.status("img").status != "Failed"
+
+
 # -- overlap -------------------------------------------------------------------------------------
 
 async def test_two_cycles_never_run_at_once(etcd_server, redis_server, key_root, stream_key):
