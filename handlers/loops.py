@@ -60,6 +60,7 @@ from eventsource.records import (
 )
 from handlers.agents import AgentError
 from handlers.disruption import EvictionDecision, EvictionGate, EvictionPolicy
+from handlers.placement import canonical_type
 from handlers.reconcile import (
     ADOPT_ACTIONS,
     ALIGN_STATUS,
@@ -137,6 +138,12 @@ NOT_READY = "NotReady"
 BODY_SHARE = 0.8
 #: drift records + events per transaction (2 ops each, well under etcd's 128)
 DRIFT_BATCH = 40
+#: an apply error with this text (any case) means the node lacks the workload's runtime (E1)
+RUNTIME_MISSING = "runtime not available"
+#: the types a node without a list is taken to support (E1, legacy nodes)
+LEGACY_WORKLOAD_TYPES = ("container", "compose")
+#: an agent message kept on a status
+MESSAGE_CHARS = 1024
 #: how long drift detection waits for the projections to reach etcd's revision of the moment
 #: before the agents were listed (normally milliseconds)
 DRIFT_FRESHNESS_WAIT_S = 5.0
@@ -743,10 +750,14 @@ class ReconcileLoop(_Shell):
             if exc.unreachable:
                 await self.mark_not_ready(node_id, reason=f"agent unreachable: {exc}",
                                           source="reconciler", now=now)
+            elif RUNTIME_MISSING in str(exc).lower():
+                return await self._runtime_unsupported(wid, node_id, str(exc), now)
             await self.count_failure(wid, node_id, reason=f"apply failed: {exc}", now=now,
                                      once=False)
             return False
         if not resp.applied and not resp.skipped:
+            if RUNTIME_MISSING in (resp.message or "").lower():
+                return await self._runtime_unsupported(wid, node_id, resp.message, now)
             await self.count_failure(wid, node_id, reason=resp.message or "apply not accepted",
                                      now=now, once=False)
             return False
@@ -785,6 +796,71 @@ class ReconcileLoop(_Shell):
 
         await self.writer.update_status(wid, mutate, kind="reconcile", fenced=True)
         return True
+
+    async def _runtime_unsupported(self, workload_id: str, node_id: str, message: str,
+                                   now: datetime) -> bool:
+        """E1 "runtime unsupported": the node cannot run this type after all. Its type is
+        taken off the node (so placement stops choosing it) and the workload is unassigned,
+        Pending, its allocation released, in one fenced transaction; the next cycle places it
+        elsewhere. Returns False: nothing runs yet."""
+
+        async def attempt(n: int) -> bool:
+            spec_item = self.cluster.specs.get(workload_id)
+            status_item = self.cluster.statuses.get(workload_id)
+            node_item = self.cluster.nodes.get(node_id)
+            if spec_item is None or status_item is None or node_item is None:
+                return False
+            if node_of(status_item.value) != node_id:
+                return False
+            wtype = canonical_type(spec_item.value.type)
+            node = copy_record(node_item.value)
+            offered = node.supported_workload_types or list(LEGACY_WORKLOAD_TYPES)
+            node.supported_workload_types = [t for t in offered if canonical_type(t) != wtype]
+            status = copy_record(status_item.value)
+            status.node_id = ""
+            status.assigned_node = ""
+            status.status = "Pending"
+            status.status_info.actual_state = "Pending"
+            status.status_info.last_updated = rfc3339(now)
+            for key in REAPPLY_KEYS:
+                status.metadata.pop(key, None)
+            status.metadata["previous_node"] = node_id
+            status.metadata["last_action"] = "RuntimeUnsupportedReschedulePending"
+            status.metadata["scheduler_last_error"] = message[:MESSAGE_CHARS]
+            change = Change(
+                kind="reconcile",
+                compares=[Compare.mod(self.layout.node(node_id), node_item.mod_revision),
+                          Compare.mod(self.layout.status(workload_id), status_item.mod_revision)],
+                puts=[Put(self.layout.node(node_id), encode(node), category="node"),
+                      Put(self.layout.status(workload_id), encode(status), category="status")],
+                deletes=[Delete(self.layout.assignment(workload_id), category="assignment")],
+                events=[Event(type="Rescheduled", workload_id=workload_id, node_id=node_id,
+                              reason=f"runtime {wtype} not available on {node_id}",
+                              details={"previous_node": node_id}, timestamp=now)])
+            alloc = self.cluster.allocations.get(node_id)
+            if alloc is not None and workload_id in alloc.value.workloads:
+                record = alloc.value.clone()
+                record.remove(workload_id)
+                change.compares.append(Compare.mod(self.layout.allocation(node_id),
+                                                   alloc.mod_revision))
+                change.puts.append(Put(self.layout.allocation(node_id), encode(record),
+                                       category="allocation"))
+            try:
+                await self.committer.commit(change, fenced=True)
+            except Conflict as exc:
+                if exc.revision:
+                    await self.cluster.wait_for(exc.revision, timeout=2.0)
+                raise
+            log.warning("runtime %s not available on node_id=%s: workload_id=%s unassigned to "
+                        "be placed elsewhere", wtype, node_id, workload_id)
+            return False
+
+        try:
+            return await retry_on_conflict(attempt)
+        except (Conflict, StoreError) as exc:
+            log.info("runtime-unsupported reschedule not recorded workload_id=%s: %s",
+                     workload_id, exc)
+            return False
 
     async def count_failure(self, workload_id: str, node_id: str, *, reason: str, now: datetime,
                             once: bool) -> bool:

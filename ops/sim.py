@@ -187,6 +187,9 @@ class NodeBehaviour:
     storage_drivers: list[str] = field(default_factory=lambda: ["local"])
     #: Send per-workload usage snapshots in heartbeats (twice, as the Go agent does).
     report_usage: bool = True
+    #: Types advertised whose runtime is missing: applies of them answer "runtime not
+    #: available", as the Go agent does when the hypervisor or Docker is not running.
+    missing_runtimes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.apply_latency_s < 0 or self.slow_answer_s < 0:
@@ -718,10 +721,13 @@ class SimNode(agent_pb2_grpc.AgentServiceServicer):
                 )
             if w.actual == _PENDING:
                 return self._submitted(w)
+        wtype = request.type or agent_pb2.WORKLOAD_TYPE_CONTAINER
+        if _TYPE_NAMES.get(wtype, "") in self.behaviour.missing_runtimes:
+            return agent_pb2.ApplyWorkloadResponse(
+                applied=False, message=f"runtime not available: {_TYPE_NAMES[wtype]}")
         cpu_m, memory_mb = _requested(request.spec)
         now = int(time.time())
         task_id = f"apply-{request.id}-{time.time_ns()}"
-        wtype = request.type or agent_pb2.WORKLOAD_TYPE_CONTAINER
         if w is None:
             w = _Workload(
                 workload_id=request.id,

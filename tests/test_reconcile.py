@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -902,6 +903,39 @@ async def test_a_retry_clears_a_non_retryable_failure_reason(
         await s.loops.reconcile.run_once(now=now + timedelta(seconds=120))
         await s.caught_up()
         assert s.status("img").status != "Failed"
+
+
+async def test_a_node_without_the_runtime_gets_no_more_of_that_type(
+        etcd_server, redis_server, key_root, stream_key):
+    """E1: an apply answered "runtime not available" takes that type off the node and
+    unassigns the workload (Pending, allocation released, Rescheduled); the next cycle places
+    it on a node that can run it."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
+    async with stack(settings, 2, heartbeat_interval_s=900) as s:
+        await s.apply(["rt"])
+        await wait_for(lambda: s.agent_state("rt") == "Running", timeout=15)
+        s.fleet.hold_control(True)
+        broken = s.holder("rt")
+        broken.behaviour = dataclasses.replace(broken.behaviour, missing_runtimes=["container"])
+        broken.kill_workloads(["rt"])
+        await s.caught_up()
+        now = last_apply(s.status("rt")) + timedelta(seconds=60)
+        await s.loops.reconcile.run_once(now=now)
+        await s.caught_up()
+        status = s.status("rt")
+        assert (status.node_id, status.status) == ("", "Pending")
+        assert status.metadata["last_action"] == "RuntimeUnsupportedReschedulePending"
+        node = s.sched.cluster.nodes.get(broken.node_id).value  # type: ignore[union-attr]
+        assert "container" not in node.supported_workload_types
+        alloc = s.sched.cluster.allocations.get(broken.node_id)
+        assert alloc is None or "rt" not in alloc.value.workloads
+        await s.loops.reconcile.run_once(now=now + timedelta(seconds=1))
+        await s.caught_up()
+        assert s.status("rt").node_id not in ("", broken.node_id)
+        await wait_for(lambda: s.agent_state("rt") == "Running", timeout=15)
+        moved = await wait_for(lambda: s.events("Rescheduled", workload_id="rt"), timeout=10)
+        assert moved[0].node_id == broken.node_id
 
 
 # -- overlap -------------------------------------------------------------------------------------
