@@ -43,6 +43,12 @@ log = logging.getLogger("persys.dispatch")
 PROJECTION_WAIT_S = 10.0
 
 
+def refused(answer: Any) -> bool:
+    """An agent's DeleteWorkloadResponse that says no (success=false), unless it says the
+    workload is not there (gone is what a delete wants)."""
+    return not answer.success and "not found" not in str(answer.message).lower()
+
+
 class Dispatcher:
     """Runs post-commit agent calls in owned, bounded tasks."""
 
@@ -200,7 +206,12 @@ class Dispatcher:
             endpoint = self.endpoint(node_id) if node_id else None
             if endpoint is not None:
                 try:
-                    await self.pool.delete(node_id, endpoint, workload_id)
+                    answer = await self.pool.delete(node_id, endpoint, workload_id)
+                    if refused(answer):
+                        # the agent still runs it: finalising would leave an orphan there
+                        log.warning("agent refused the delete workload_id=%s node_id=%s: %s "
+                                    "(reconcile retries)", workload_id, node_id, answer.message)
+                        return
                 except AgentError as exc:
                     if not (exc.not_found or exc.unreachable):
                         log.warning("agent delete failed workload_id=%s node_id=%s error=%s",

@@ -59,6 +59,7 @@ from eventsource.records import (
     encode,
 )
 from handlers.agents import AgentError
+from handlers.dispatch import refused
 from handlers.disruption import EvictionDecision, EvictionGate, EvictionPolicy
 from handlers.placement import canonical_type
 from handlers.reconcile import (
@@ -650,7 +651,12 @@ class ReconcileLoop(_Shell):
             return False
         report.rpcs["DeleteWorkload"] += 1
         try:
-            await self.agents.delete(node_id, view.endpoint, workload_id, leader_only=True)
+            answer = await self.agents.delete(node_id, view.endpoint, workload_id,
+                                              leader_only=True)
+            if refused(answer):
+                log.info("agent refused the delete workload_id=%s node_id=%s: %s", workload_id,
+                         node_id, answer.message)
+                return False
         except AgentError as exc:
             if not exc.not_found:
                 log.info("agent delete failed workload_id=%s node_id=%s: %s", workload_id,

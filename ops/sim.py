@@ -190,6 +190,8 @@ class NodeBehaviour:
     #: Types advertised whose runtime is missing: applies of them answer "runtime not
     #: available", as the Go agent does when the hypervisor or Docker is not running.
     missing_runtimes: list[str] = field(default_factory=list)
+    #: Answer deletes with success=false (an agent that cannot remove a workload now).
+    refuse_deletes: bool = False
 
     def __post_init__(self) -> None:
         if self.apply_latency_s < 0 or self.slow_answer_s < 0:
@@ -640,6 +642,9 @@ class SimNode(agent_pb2_grpc.AgentServiceServicer):
             return agent_pb2.DeleteWorkloadResponse(
                 success=False, message="invalid request: workload id is required"
             )
+        if self.behaviour.refuse_deletes:
+            return agent_pb2.DeleteWorkloadResponse(
+                success=False, message="cannot delete the workload now: runtime busy")
         self._workloads.pop(request.id, None)
         self._changed()
         return agent_pb2.DeleteWorkloadResponse(

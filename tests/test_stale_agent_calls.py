@@ -8,6 +8,8 @@ re-read the workload just before the call and drop it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from handlers.loops import CycleReport, loops_of
 from handlers.reconcile import REAPPLY, Action
 from proto.persys.control.v1 import control_pb2 as pb
@@ -104,3 +106,33 @@ async def test_a_queued_apply_superseded_by_a_newer_spec_is_dropped(
             # the older spec's apply, still queued, must not roll the agent back
             await a.dispatcher._apply(old, {}, node_id, "Running")
             assert sim.workload_revision("w-s") != old.revision_id
+
+
+async def test_a_delete_the_agent_refuses_is_not_finalised(
+    etcd_server, redis_server, key_root, stream_key
+):
+    """success=false from the agent means it still runs the workload: the state stays
+    Deleting (an orphan otherwise), and the reconcile loop finishes the delete later."""
+    s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1",
+                      reconcile_interval_s=3600.0)
+    async with running_scheduler(s) as a:
+        addr = f"127.0.0.1:{a.grpc_port}"
+        async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-r",
+                                                                    spec=container_spec()))
+            assert resp.success, resp
+            await wait_for(lambda: a.cluster.statuses.get("w-r") is not None)
+            sim = fleet.node(a.cluster.statuses.get("w-r").value.node_id)  # type: ignore[union-attr]
+            await wait_for(lambda: "w-r" in sim.workload_ids(), message="applied")
+            sim.behaviour = dataclasses.replace(sim.behaviour, refuse_deletes=True)
+            assert (await a.workloads.delete("w-r")).ok
+            await wait_for(lambda: not a.dispatcher._tasks, message="the delete call ran")
+            assert "w-r" in sim.workload_ids()
+            assert a.cluster.specs.get("w-r") is not None
+            assert a.cluster.statuses.get("w-r").value.status == "Deleting"  # type: ignore[union-attr]
+            sim.behaviour = dataclasses.replace(sim.behaviour, refuse_deletes=False)
+            await loops_of(a).reconcile.run_once()
+            await wait_for(lambda: a.cluster.specs.get("w-r") is None, message="finalised")
+            assert "w-r" not in sim.workload_ids()
