@@ -27,7 +27,7 @@ from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, LeaseLost, StoreError
 from eventsource.etcd import BULK, AsyncEtcd, Compare, Delete, Put
-from eventsource.events import Event, rfc3339
+from eventsource.events import Event, parse_rfc3339, rfc3339
 from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
@@ -428,6 +428,8 @@ class NodeCommands:
                 current.status == state and not message
             ):
                 continue
+            if current.status in ("Scheduled", "Updating") and _older_than_apply(ws, current):
+                continue  # what ran before the apply in flight: not its outcome
             if current.status == state and message and already_logged(current.logs, message):
                 continue
             changed.append((wid, state, ws))
@@ -587,6 +589,19 @@ class NodeCommands:
                           details={"source": "operator", "key": key}, timestamp=now)]
 
         return await self._control(node_id, mutate)
+
+
+def _older_than_apply(ws: control_pb2.WorkloadStatus, status: WorkloadStatus) -> bool:
+    """Whether the agent's state changed last before the scheduler asked for the apply now in
+    flight (a heartbeat built while the old revision ran, delivered after an update)."""
+    requested = parse_rfc3339(str(status.metadata.get("lastApplyRequestAt", "")))
+    if requested is None or not ws.HasField("last_transition"):
+        return False
+    try:
+        # a second of slack: agents may stamp whole seconds, and clocks differ a little
+        return ws.last_transition.ToDatetime(tzinfo=UTC) < requested - timedelta(seconds=1)
+    except (ValueError, OverflowError, OSError):
+        return False
 
 
 def _usage_dict(u: control_pb2.WorkloadUsageSnapshot) -> dict[str, Any]:

@@ -136,3 +136,38 @@ async def test_a_delete_the_agent_refuses_is_not_finalised(
             await loops_of(a).reconcile.run_once()
             await wait_for(lambda: a.cluster.specs.get("w-r") is None, message="finalised")
             assert "w-r" not in sim.workload_ids()
+
+
+async def test_a_heartbeat_from_before_an_update_does_not_finish_it(
+    etcd_server, redis_server, key_root, stream_key
+):
+    """A heartbeat built while the old revision ran, delivered after the update committed,
+    must not turn Updating into Running: the new revision has not started."""
+    s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1",
+                      reconcile_interval_s=3600.0)
+    async with running_scheduler(s) as a:
+        addr = f"127.0.0.1:{a.grpc_port}"
+        async with running_fleet(addr, 1, heartbeat_interval_s=900) as fleet, \
+                control_stub(addr) as stub:
+            await fleet.wait_registered()
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-u",
+                                                                    spec=container_spec()))
+            assert resp.success, resp
+            await wait_for(lambda: a.cluster.statuses.get("w-u") is not None)
+            node = fleet.node(a.cluster.statuses.get("w-u").value.node_id)  # type: ignore[union-attr]
+            await wait_for(lambda: node.workload_state("w-u") == "Running", message="running")
+            await a.nodes.heartbeat(node.heartbeat_request())
+            await wait_for(lambda: a.cluster.statuses.get("w-u").value.status  # type: ignore[union-attr]
+                           == "Running", message="first heartbeat")
+            old = node.heartbeat_request()  # built while the first revision runs ...
+            for ws in old.workload_statuses:
+                ws.last_transition.seconds -= 60  # ... which started a minute before
+            node.behaviour = dataclasses.replace(node.behaviour, apply_latency_s=600)
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="w-u", spec=container_spec(image="nginx:2")))
+            assert resp.success, resp
+            await wait_for(lambda: a.cluster.statuses.get("w-u").value.status  # type: ignore[union-attr]
+                           == "Updating", message="updating")
+            await a.nodes.heartbeat(old)  # delivered late
+            await wait_for(lambda: not a.dispatcher._tasks, message="the update's apply ran")
+            assert a.cluster.statuses.get("w-u").value.status == "Updating"  # type: ignore[union-attr]
