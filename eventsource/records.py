@@ -336,11 +336,8 @@ class RecordCodec:
             elif kind == "optional_record":
                 inner = CODECS[fc.inner]
                 kwargs[fc.attr] = inner.decode(value) if isinstance(value, dict) else None
-            elif kind == "record_list":
+            elif kind == "record_list":  # a list: checked above (container)
                 codec = CODECS[fc.inner]
-                if not isinstance(value, list):
-                    raise TypeError(f"{fc.json_name}: a list was expected, "
-                                    f"not {type(value).__name__}")
                 kwargs[fc.attr] = [codec.decode(v) for v in value if isinstance(v, dict)]
             elif kind == "int":
                 kwargs[fc.attr] = int(value) if isinstance(value, int | float) else 0

@@ -124,7 +124,7 @@ from handlers.specs import (
     request_of,
 )
 from handlers.state import NotFound
-from handlers.workloads import Outcome, mark_apply_requested
+from handlers.workloads import Outcome, mark_apply_requested, release_allocation
 from proto.persys.agent.v1 import agent_pb2
 
 if TYPE_CHECKING:
@@ -843,14 +843,7 @@ class ReconcileLoop(_Shell):
                 events=[Event(type="Rescheduled", workload_id=workload_id, node_id=node_id,
                               reason=f"runtime {wtype} not available on {node_id}",
                               details={"previous_node": node_id}, timestamp=now)])
-            alloc = self.cluster.allocations.get(node_id)
-            if alloc is not None and workload_id in alloc.value.workloads:
-                record = alloc.value.clone()
-                record.remove(workload_id)
-                change.compares.append(Compare.mod(self.layout.allocation(node_id),
-                                                   alloc.mod_revision))
-                change.puts.append(Put(self.layout.allocation(node_id), encode(record),
-                                       category="allocation"))
+            release_allocation(change, self.cluster, self.layout, node_id, workload_id)
             try:
                 await self.committer.commit(change, fenced=True)
             except Conflict as exc:

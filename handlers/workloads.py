@@ -636,6 +636,19 @@ def persistence_class(spec: WorkloadSpec, metadata: dict[str, object]) -> str:
     return "ephemeral"
 
 
+def release_allocation(change: Change, cluster: ClusterProjection, layout: KeyLayout,
+                       node_id: str, workload_id: str) -> None:
+    """Add to ``change`` the CAS rewrite of ``node_id``'s allocation without ``workload_id``
+    (nothing when the allocation does not hold it)."""
+    held = cluster.allocations.get(node_id)
+    if held is None or workload_id not in held.value.workloads:
+        return
+    record = held.value.clone()
+    record.remove(workload_id)
+    change.compares.append(Compare.mod(layout.allocation(node_id), held.mod_revision))
+    change.puts.append(Put(layout.allocation(node_id), encode(record), category="allocation"))
+
+
 def is_node_local(spec: WorkloadSpec, metadata: dict[str, object]) -> bool:
     allow = str(metadata.get("persys.scheduling.allow_move", metadata.get("allow_move", "")))
     return persistence_class(spec, metadata) == "node-local" and allow.strip().lower() not in (
@@ -692,14 +705,7 @@ class Relocator:
                                                status_item.mod_revision))
             change.puts.append(Put(c.layout.status(workload_id), encode(new_status),
                                    category="status"))
-            old_alloc = c.cluster.allocations.get(from_node)
-            if old_alloc is not None and workload_id in old_alloc.value.workloads:
-                record = old_alloc.value.clone()
-                record.remove(workload_id)
-                change.compares.append(Compare.mod(c.layout.allocation(from_node),
-                                                   old_alloc.mod_revision))
-                change.puts.append(Put(c.layout.allocation(from_node), encode(record),
-                                       category="allocation"))
+            release_allocation(change, c.cluster, c.layout, from_node, workload_id)
             disk_compares, disk_puts = self._move_disks(
                 disks, workload_id, from_node=from_node, to_node=placed.node_id)
             change.compares.extend(disk_compares)

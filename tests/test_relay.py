@@ -240,6 +240,24 @@ async def relayed(log: RedisEventLog, etcd: AsyncEtcd, layout: KeyLayout, count:
         return False
 
 
+async def crash_after_second_append(relays: Harness, log: RedisEventLog, *, batch: int) -> None:
+    """Start a relay that dies right after its second XADD batch, before that batch's mark."""
+    blocked = asyncio.Event()
+    calls = 0
+
+    async def crash_on_second_batch(ids: Sequence[str]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            blocked.set()
+            await asyncio.Event().wait()  # until the relay task is cancelled
+
+    _, task = relays.start(log, batch=batch, after_append=crash_on_second_batch)
+    await wait_for(blocked.is_set, message="relay never reached its second batch")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_relays_200_events_in_commit_order(
     etcd, layout, metrics, committer, relays, log
 ) -> None:
@@ -265,20 +283,7 @@ async def test_crash_between_xadd_and_mark_loses_and_duplicates_nothing(
     etcd, layout, metrics, committer, relays, log
 ) -> None:
     expected = await commit(committer, 60)
-    blocked = asyncio.Event()
-    calls = 0
-
-    async def crash_on_second_batch(ids: Sequence[str]) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            blocked.set()
-            await asyncio.Event().wait()  # until the relay task is cancelled
-
-    _, task = relays.start(log, batch=20, after_append=crash_on_second_batch)
-    await wait_for(blocked.is_set, message="relay never reached its second batch")
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await crash_after_second_append(relays, log, batch=20)
     assert await log.length() == 40  # two batches appended ...
     assert (await mark_of(etcd, layout)).last_id == expected[19]  # ... one recorded
     assert await outbox_size(etcd, layout) == 40
@@ -299,20 +304,7 @@ async def test_entries_trimmed_before_the_mark_moved_are_not_a_foreign_stream(
     trimmed them meanwhile (a small MAXLEN, a short TTL), Redis rejects them as below the top
     and holds nothing there. That is our own history, trimmed: the stream stays."""
     expected = await commit(committer, 40)
-    blocked = asyncio.Event()
-    calls = 0
-
-    async def crash_on_second_batch(ids: Sequence[str]) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            blocked.set()
-            await asyncio.Event().wait()  # until the relay task is cancelled
-
-    _, task = relays.start(log, batch=20, after_append=crash_on_second_batch)
-    await wait_for(blocked.is_set, message="relay never reached its second batch")
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await crash_after_second_append(relays, log, batch=20)
     assert (await mark_of(etcd, layout)).last_id == expected[19]
     await writer.xtrim(log.key, maxlen=5, approximate=False)  # retention, exact for the test
 

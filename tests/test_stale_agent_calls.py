@@ -9,6 +9,7 @@ re-read the workload just before the call and drop it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from handlers.loops import CycleReport, loops_of
 from handlers.reconcile import REAPPLY, Action
@@ -23,6 +24,18 @@ from tests.fixtures.harness import (
 from tests.fixtures.waiting import wait_for
 
 
+async def placed(scheduler: Any, fleet: Any, stub: Any, workload_id: str,
+                 spec: Any = None) -> Any:
+    """Apply ``workload_id`` and wait until its agent holds it; returns that simulated node."""
+    resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+        workload_id=workload_id, spec=spec if spec is not None else container_spec()))
+    assert resp.success, resp
+    await wait_for(lambda: scheduler.cluster.statuses.get(workload_id) is not None)
+    node = fleet.node(scheduler.cluster.statuses.get(workload_id).value.node_id)
+    await wait_for(lambda: workload_id in node.workload_ids(), message="applied")
+    return node
+
+
 async def test_a_reapply_planned_before_a_delete_is_not_sent(
     etcd_server, redis_server, key_root, stream_key
 ):
@@ -32,13 +45,8 @@ async def test_a_reapply_planned_before_a_delete_is_not_sent(
         async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
             await fleet.wait_registered()
             await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-del",
-                                                                    spec=container_spec()))
-            assert resp.success, resp
-            await wait_for(lambda: a.cluster.statuses.get("w-del") is not None)
-            node_id = a.cluster.statuses.get("w-del").value.node_id  # type: ignore[union-attr]
-            sim = fleet.node(node_id)
-            await wait_for(lambda: "w-del" in sim.workload_ids(), message="applied")
+            sim = await placed(a, fleet, stub, "w-del")
+            node_id = sim.node_id
             # the delete as another replica would run it: committed, then its agent call; the
             # finalisation has not happened yet (the status stays Deleting)
             a.dispatcher.delete = lambda *args, **kw: None  # type: ignore[method-assign]
@@ -63,14 +71,9 @@ async def test_a_queued_apply_is_dropped_once_the_workload_is_deleted(
         addr = f"127.0.0.1:{a.grpc_port}"
         async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
             await fleet.wait_registered()
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-q",
-                                                                    spec=container_spec()))
-            assert resp.success, resp
-            await wait_for(lambda: a.cluster.statuses.get("w-q") is not None)
+            sim = await placed(a, fleet, stub, "w-q")
             status = a.cluster.statuses.get("w-q").value  # type: ignore[union-attr]
             spec = a.cluster.specs.get("w-q").value  # type: ignore[union-attr]
-            sim = fleet.node(status.node_id)
-            await wait_for(lambda: "w-q" in sim.workload_ids(), message="applied")
             assert (await a.workloads.delete("w-q")).ok
             await wait_for(lambda: a.cluster.specs.get("w-q") is None, message="finalised")
             assert "w-q" not in sim.workload_ids()
@@ -87,13 +90,9 @@ async def test_a_queued_apply_superseded_by_a_newer_spec_is_dropped(
         addr = f"127.0.0.1:{a.grpc_port}"
         async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
             await fleet.wait_registered()
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-s",
-                                                                    spec=container_spec()))
-            assert resp.success, resp
-            await wait_for(lambda: a.cluster.specs.get("w-s") is not None)
+            sim = await placed(a, fleet, stub, "w-s")
+            node_id = sim.node_id
             old = a.cluster.specs.get("w-s").value  # type: ignore[union-attr]
-            node_id = a.cluster.statuses.get("w-s").value.node_id  # type: ignore[union-attr]
-            sim = fleet.node(node_id)
             newer = container_spec(image="nginx:1.27")
             resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-s",
                                                                     spec=newer))
@@ -120,12 +119,7 @@ async def test_a_delete_the_agent_refuses_is_not_finalised(
         async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
             await fleet.wait_registered()
             await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-r",
-                                                                    spec=container_spec()))
-            assert resp.success, resp
-            await wait_for(lambda: a.cluster.statuses.get("w-r") is not None)
-            sim = fleet.node(a.cluster.statuses.get("w-r").value.node_id)  # type: ignore[union-attr]
-            await wait_for(lambda: "w-r" in sim.workload_ids(), message="applied")
+            sim = await placed(a, fleet, stub, "w-r")
             sim.behaviour = dataclasses.replace(sim.behaviour, refuse_deletes=True)
             assert (await a.workloads.delete("w-r")).ok
             await wait_for(lambda: not a.dispatcher._tasks, message="the delete call ran")
@@ -150,11 +144,7 @@ async def test_a_heartbeat_from_before_an_update_does_not_finish_it(
         async with running_fleet(addr, 1, heartbeat_interval_s=900) as fleet, \
                 control_stub(addr) as stub:
             await fleet.wait_registered()
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-u",
-                                                                    spec=container_spec()))
-            assert resp.success, resp
-            await wait_for(lambda: a.cluster.statuses.get("w-u") is not None)
-            node = fleet.node(a.cluster.statuses.get("w-u").value.node_id)  # type: ignore[union-attr]
+            node = await placed(a, fleet, stub, "w-u")
             await wait_for(lambda: node.workload_state("w-u") == "Running", message="running")
             await a.nodes.heartbeat(node.heartbeat_request())
             await wait_for(lambda: a.cluster.statuses.get("w-u").value.status  # type: ignore[union-attr]
