@@ -15,7 +15,12 @@ from handlers.server import Scheduler
 from handlers.specs import LABELS_MAX, InvalidSpec, parse_apply
 from ops.cli import build_parser
 from proto.persys.control.v1 import control_pb2 as pb
-from tests.fixtures.harness import control_stub, make_settings, running_scheduler
+from tests.fixtures.harness import (
+    control_stub,
+    make_settings,
+    running_fleet,
+    running_scheduler,
+)
 from tests.fixtures.waiting import wait_for
 
 
@@ -116,9 +121,11 @@ async def test_workload_records_that_would_not_fit_etcd_are_invalid_specs(
     status: it stays bounded instead of growing until no write of the workload fits."""
     settings = make_settings(etcd_server, redis_server, key_root, stream_key)
     async with running_scheduler(settings) as sched, \
+            running_fleet(f"127.0.0.1:{sched.grpc_port}", 1) as fleet, \
             control_stub(f"127.0.0.1:{sched.grpc_port}") as stub:
-        assert (await stub.RegisterNode(register_request("n1"))).accepted
-        await wait_for(lambda: sched.cluster.alive.get("n1") is not None)
+        # a real (simulated) agent: the reconcile loop marks a node it cannot list NotReady
+        await fleet.wait_registered()
+        await wait_for(lambda: len(sched.cluster.alive.items) == 1)
         spec = pb.WorkloadSpec(type="container", container=pb.ContainerSpec(
             image="busybox:1", env={"BLOB": "\x01" * 300_000}),
             resources=pb.ResourceRequirements(cpu_millicores=100, memory_mb=64))
