@@ -68,7 +68,7 @@ class DnsRegistration:
         lease = await self.etcd.lease_grant(self.ttl_s)
         try:
             await self._put_records(lease)
-        except BaseException:
+        except BaseException:  # re-raised: only the new lease is cleaned up here
             with contextlib.suppress(StoreError, TimeoutError):
                 await asyncio.wait_for(self.etcd.lease_revoke(lease), 2.0)
             raise

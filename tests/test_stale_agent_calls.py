@@ -8,7 +8,9 @@ re-read the workload just before the call and drop it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any
 
 from handlers.loops import CycleReport, loops_of
@@ -22,6 +24,17 @@ from tests.fixtures.harness import (
     running_scheduler,
 )
 from tests.fixtures.waiting import wait_for
+
+
+@contextlib.asynccontextmanager
+async def one_node(settings: Any, **fleet_options: Any) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A scheduler, one registered simulated agent, and a client of the scheduler."""
+    async with running_scheduler(settings) as scheduler:
+        address = f"127.0.0.1:{scheduler.grpc_port}"
+        async with running_fleet(address, 1, **fleet_options) as fleet, \
+                control_stub(address) as stub:
+            await fleet.wait_registered()
+            yield scheduler, fleet, stub
 
 
 async def placed(scheduler: Any, fleet: Any, stub: Any, workload_id: str,
@@ -40,71 +53,62 @@ async def test_a_reapply_planned_before_a_delete_is_not_sent(
     etcd_server, redis_server, key_root, stream_key
 ):
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
-    async with running_scheduler(s) as a:
-        addr = f"127.0.0.1:{a.grpc_port}"
-        async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
-            sim = await placed(a, fleet, stub, "w-del")
-            node_id = sim.node_id
-            # the delete as another replica would run it: committed, then its agent call; the
-            # finalisation has not happened yet (the status stays Deleting)
-            a.dispatcher.delete = lambda *args, **kw: None  # type: ignore[method-assign]
-            assert (await a.workloads.delete("w-del")).ok
-            await a.agents.delete(node_id, sim.endpoint, "w-del")
-            await wait_for(lambda: a.cluster.statuses.get("w-del").value.status  # type: ignore[union-attr]
-                           == "Deleting", message="Deleting in the projection")
-            # a REAPPLY the running cycle planned before the delete now acts
-            loop = loops_of(a).reconcile
-            sent = await loop._apply(Action(REAPPLY, "w-del", node_id), loop.node_views(),
-                                     CycleReport(), a.clock.now())
-            assert not sent
-            assert "w-del" not in sim.workload_ids()
-            assert a.cluster.statuses.get("w-del").value.status == "Deleting"  # type: ignore[union-attr]
+    async with one_node(s) as (a, fleet, stub):
+        await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
+        sim = await placed(a, fleet, stub, "w-del")
+        node_id = sim.node_id
+        # the delete as another replica would run it: committed, then its agent call; the
+        # finalisation has not happened yet (the status stays Deleting)
+        a.dispatcher.delete = lambda *args, **kw: None  # type: ignore[method-assign]
+        assert (await a.workloads.delete("w-del")).ok
+        await a.agents.delete(node_id, sim.endpoint, "w-del")
+        await wait_for(lambda: a.cluster.statuses.get("w-del").value.status  # type: ignore[union-attr]
+                       == "Deleting", message="Deleting in the projection")
+        # a REAPPLY the running cycle planned before the delete now acts
+        loop = loops_of(a).reconcile
+        sent = await loop._apply(Action(REAPPLY, "w-del", node_id), loop.node_views(),
+                                 CycleReport(), a.clock.now())
+        assert not sent
+        assert "w-del" not in sim.workload_ids()
+        assert a.cluster.statuses.get("w-del").value.status == "Deleting"  # type: ignore[union-attr]
 
 
 async def test_a_queued_apply_is_dropped_once_the_workload_is_deleted(
     etcd_server, redis_server, key_root, stream_key
 ):
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
-    async with running_scheduler(s) as a:
-        addr = f"127.0.0.1:{a.grpc_port}"
-        async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
-            await fleet.wait_registered()
-            sim = await placed(a, fleet, stub, "w-q")
-            status = a.cluster.statuses.get("w-q").value  # type: ignore[union-attr]
-            spec = a.cluster.specs.get("w-q").value  # type: ignore[union-attr]
-            assert (await a.workloads.delete("w-q")).ok
-            await wait_for(lambda: a.cluster.specs.get("w-q") is None, message="finalised")
-            assert "w-q" not in sim.workload_ids()
-            # the post-commit apply that waited behind the dispatcher's semaphore runs now
-            await a.dispatcher._apply(spec, dict(status.metadata), status.node_id, "Running")
-            assert "w-q" not in sim.workload_ids()
+    async with one_node(s) as (a, fleet, stub):
+        sim = await placed(a, fleet, stub, "w-q")
+        status = a.cluster.statuses.get("w-q").value  # type: ignore[union-attr]
+        spec = a.cluster.specs.get("w-q").value  # type: ignore[union-attr]
+        assert (await a.workloads.delete("w-q")).ok
+        await wait_for(lambda: a.cluster.specs.get("w-q") is None, message="finalised")
+        assert "w-q" not in sim.workload_ids()
+        # the post-commit apply that waited behind the dispatcher's semaphore runs now
+        await a.dispatcher._apply(spec, dict(status.metadata), status.node_id, "Running")
+        assert "w-q" not in sim.workload_ids()
 
 
 async def test_a_queued_apply_superseded_by_a_newer_spec_is_dropped(
     etcd_server, redis_server, key_root, stream_key
 ):
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
-    async with running_scheduler(s) as a:
-        addr = f"127.0.0.1:{a.grpc_port}"
-        async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
-            await fleet.wait_registered()
-            sim = await placed(a, fleet, stub, "w-s")
-            node_id = sim.node_id
-            old = a.cluster.specs.get("w-s").value  # type: ignore[union-attr]
-            newer = container_spec(image="nginx:1.27")
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-s",
-                                                                    spec=newer))
-            assert resp.success, resp
-            await wait_for(lambda: a.cluster.specs.get("w-s").value.revision_id  # type: ignore[union-attr]
-                           != old.revision_id, message="the newer spec in the projection")
-            await wait_for(lambda: sim.workload_revision("w-s")
-                           == a.cluster.specs.get("w-s").value.revision_id,  # type: ignore[union-attr]
-                           message="the newer spec applied")
-            # the older spec's apply, still queued, must not roll the agent back
-            await a.dispatcher._apply(old, {}, node_id, "Running")
-            assert sim.workload_revision("w-s") != old.revision_id
+    async with one_node(s) as (a, fleet, stub):
+        sim = await placed(a, fleet, stub, "w-s")
+        node_id = sim.node_id
+        old = a.cluster.specs.get("w-s").value  # type: ignore[union-attr]
+        newer = container_spec(image="nginx:1.27")
+        resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="w-s",
+                                                                spec=newer))
+        assert resp.success, resp
+        await wait_for(lambda: a.cluster.specs.get("w-s").value.revision_id  # type: ignore[union-attr]
+                       != old.revision_id, message="the newer spec in the projection")
+        await wait_for(lambda: sim.workload_revision("w-s")
+                       == a.cluster.specs.get("w-s").value.revision_id,  # type: ignore[union-attr]
+                       message="the newer spec applied")
+        # the older spec's apply, still queued, must not roll the agent back
+        await a.dispatcher._apply(old, {}, node_id, "Running")
+        assert sim.workload_revision("w-s") != old.revision_id
 
 
 async def test_a_delete_the_agent_refuses_is_not_finalised(
@@ -114,22 +118,19 @@ async def test_a_delete_the_agent_refuses_is_not_finalised(
     Deleting (an orphan otherwise), and the reconcile loop finishes the delete later."""
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1",
                       reconcile_interval_s=3600.0)
-    async with running_scheduler(s) as a:
-        addr = f"127.0.0.1:{a.grpc_port}"
-        async with running_fleet(addr, 1) as fleet, control_stub(addr) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
-            sim = await placed(a, fleet, stub, "w-r")
-            sim.behaviour = dataclasses.replace(sim.behaviour, refuse_deletes=True)
-            assert (await a.workloads.delete("w-r")).ok
-            await wait_for(lambda: not a.dispatcher._tasks, message="the delete call ran")
-            assert "w-r" in sim.workload_ids()
-            assert a.cluster.specs.get("w-r") is not None
-            assert a.cluster.statuses.get("w-r").value.status == "Deleting"  # type: ignore[union-attr]
-            sim.behaviour = dataclasses.replace(sim.behaviour, refuse_deletes=False)
-            await loops_of(a).reconcile.run_once()
-            await wait_for(lambda: a.cluster.specs.get("w-r") is None, message="finalised")
-            assert "w-r" not in sim.workload_ids()
+    async with one_node(s) as (a, fleet, stub):
+        await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
+        sim = await placed(a, fleet, stub, "w-r")
+        sim.behaviour = dataclasses.replace(sim.behaviour, refuse_deletes=True)
+        assert (await a.workloads.delete("w-r")).ok
+        await wait_for(lambda: not a.dispatcher._tasks, message="the delete call ran")
+        assert "w-r" in sim.workload_ids()
+        assert a.cluster.specs.get("w-r") is not None
+        assert a.cluster.statuses.get("w-r").value.status == "Deleting"  # type: ignore[union-attr]
+        sim.behaviour = dataclasses.replace(sim.behaviour, refuse_deletes=False)
+        await loops_of(a).reconcile.run_once()
+        await wait_for(lambda: a.cluster.specs.get("w-r") is None, message="finalised")
+        assert "w-r" not in sim.workload_ids()
 
 
 async def test_a_heartbeat_from_before_an_update_does_not_finish_it(
@@ -139,25 +140,21 @@ async def test_a_heartbeat_from_before_an_update_does_not_finish_it(
     must not turn Updating into Running: the new revision has not started."""
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1",
                       reconcile_interval_s=3600.0)
-    async with running_scheduler(s) as a:
-        addr = f"127.0.0.1:{a.grpc_port}"
-        async with running_fleet(addr, 1, heartbeat_interval_s=900) as fleet, \
-                control_stub(addr) as stub:
-            await fleet.wait_registered()
-            node = await placed(a, fleet, stub, "w-u")
-            await wait_for(lambda: node.workload_state("w-u") == "Running", message="running")
-            await a.nodes.heartbeat(node.heartbeat_request())
-            await wait_for(lambda: a.cluster.statuses.get("w-u").value.status  # type: ignore[union-attr]
-                           == "Running", message="first heartbeat")
-            old = node.heartbeat_request()  # built while the first revision runs ...
-            for ws in old.workload_statuses:
-                ws.last_transition.seconds -= 60  # ... which started a minute before
-            node.behaviour = dataclasses.replace(node.behaviour, apply_latency_s=600)
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w-u", spec=container_spec(image="nginx:2")))
-            assert resp.success, resp
-            await wait_for(lambda: a.cluster.statuses.get("w-u").value.status  # type: ignore[union-attr]
-                           == "Updating", message="updating")
-            await a.nodes.heartbeat(old)  # delivered late
-            await wait_for(lambda: not a.dispatcher._tasks, message="the update's apply ran")
-            assert a.cluster.statuses.get("w-u").value.status == "Updating"  # type: ignore[union-attr]
+    async with one_node(s, heartbeat_interval_s=900) as (a, fleet, stub):
+        node = await placed(a, fleet, stub, "w-u")
+        await wait_for(lambda: node.workload_state("w-u") == "Running", message="running")
+        await a.nodes.heartbeat(node.heartbeat_request())
+        await wait_for(lambda: a.cluster.statuses.get("w-u").value.status  # type: ignore[union-attr]
+                       == "Running", message="first heartbeat")
+        old = node.heartbeat_request()  # built while the first revision runs ...
+        for ws in old.workload_statuses:
+            ws.last_transition.seconds -= 60  # ... which started a minute before
+        node.behaviour = dataclasses.replace(node.behaviour, apply_latency_s=600)
+        resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-u", spec=container_spec(image="nginx:2")))
+        assert resp.success, resp
+        await wait_for(lambda: a.cluster.statuses.get("w-u").value.status  # type: ignore[union-attr]
+                       == "Updating", message="updating")
+        await a.nodes.heartbeat(old)  # delivered late
+        await wait_for(lambda: not a.dispatcher._tasks, message="the update's apply ran")
+        assert a.cluster.statuses.get("w-u").value.status == "Updating"  # type: ignore[union-attr]
