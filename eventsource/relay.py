@@ -10,10 +10,11 @@ mode). As leader it checks the stream (foreign or lost data), lists the outbox a
 from R+1 (re-list after compaction, resume after a dropped watch). Each batch is one pipelined
 XADD with explicit ids ``"<mod_revision>-<seq>"`` followed by fenced etcd transactions that
 advance the high-water mark ``layout.relay_mark`` and delete the relayed outbox keys (at most
-128 operations each, the mark put in every one). The mark transactions of one batch run while
-the next batch is read and appended (at most one batch's marking in flight, the next waits for
-it): an etcd write then costs the stream no latency, which at hundreds of events per second is
-most of commit-to-delivery time.
+128 operations each, the mark put in every one). The marks are committed by one marker task
+while the relay goes on appending: what is appended while a mark transaction is in flight is
+owed and rides in the next one. An etcd write then costs the stream no latency (at hundreds of
+events per second most of commit-to-delivery time was the relay waiting for its marks), and a
+burst costs a few mark transactions instead of one per batch.
 
 Invariants:
 
@@ -21,8 +22,9 @@ Invariants:
   from the outbox only in a fenced transaction that also moves the mark past it, after its XADD
   succeeded. A crash anywhere leaves the record in the outbox, and the re-append is idempotent
   (``RedisEventLog.append_batch``'s "equal or smaller" rule), so nothing is lost or duplicated.
-  With marking pipelined, at most two batches are appended but not yet marked, which keeps
-  them within the range ``_prepare`` reads back to find gaps already written.
+  With marking pipelined, at most two batches are appended but not yet marked (past one batch
+  the relay waits for the marker), which keeps them within the range ``_prepare`` reads back to
+  find gaps already written.
 * ``prev`` of every entry is the id of the entry before it in the stream.
 * Gaps are explicit: Redis losing entries (stream top below the mark) and outbox overflow
   (``outbox_max`` exceeded while Redis is down; the oldest whole revisions are deleted and
@@ -52,6 +54,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -103,6 +106,9 @@ __all__ = [
 #: etcd's default --max-txn-ops; every relay txn holds the mark put plus at most 127 deletes
 MAX_TXN_OPS = 128
 MAX_DELETES_PER_TXN = MAX_TXN_OPS - 1
+#: the least time between two mark transactions of the marker: at a steady rate the outbox
+#: deletes cost a few etcd writes per second instead of one per append (a settle does not wait)
+MARK_INTERVAL_S = 0.1
 #: fixed namespace of the deterministic ids of "Redis lost data" gaps
 _GAP_NAMESPACE = uuid.UUID("8d6f0c1e-2a47-4c59-9b3e-5f1e7a0c2d31")
 
@@ -335,6 +341,7 @@ class Relay:
         retry_min: float = 0.5,
         retry_max: float = 5.0,
         election_poll: float = 1.0,
+        mark_interval: float = MARK_INTERVAL_S,
         after_append: AfterAppend | None = None,
     ) -> None:
         if batch < 1 or outbox_max < 1:
@@ -373,8 +380,19 @@ class Relay:
         self._mark_mod = 0
         self._gaps: tuple[PendingGap, ...] = ()
         self._force_aside: str | None = None
-        #: the mark transactions of the batch appended last, still in flight (or None)
+        #: the marker: commits the marks owed (below), one transaction batch at a time
         self._marking: asyncio.Task[None] | None = None
+        #: appended but not yet marked: the records (in order), the mark after each, and the
+        #: position and owed gaps of the newest plan (None: nothing owed)
+        self._owed_records: list[OutboxRecord] = []
+        self._owed_marks: list[str] = []
+        self._owed: tuple[IdKey, tuple[PendingGap, ...]] | None = None
+        #: records the marker has taken and not yet committed
+        self._marking_records = 0
+        self._mark_interval = mark_interval
+        #: loop time of the last mark transaction; set: the marker stops pacing (a settle)
+        self._marked_at = float("-inf")
+        self._flush = asyncio.Event()
 
     @property
     def status(self) -> str:
@@ -582,7 +600,7 @@ class Relay:
         caught_up: int,
     ) -> None:
         if poison:
-            await self._settle_marking()
+            await self._settle_marking(lead)
             await self._drop_poison(lead, poison)
         records.sort(key=lambda r: r.order)
         for start in range(0, len(records), self._batch):
@@ -610,23 +628,39 @@ class Relay:
         await self._log.append_batch(plan.entries, maxlen=self._max_entries)
         self._top = max(self._top, plan.top)
         self._gaps = plan.gaps_left
-        # marks advance in order (each compares the previous one's revision): the batch before
-        # this one must be marked before this one's marking starts
-        await self._settle_marking()
-        if self._after_append is not None:
-            await self._after_append([stream_id for stream_id, _ in plan.entries])
-        self._marking = asyncio.create_task(self._commit(lead, chunk, plan),
-                                            name=f"relay-mark:{self.instance_id}")
         if chunk:
             self._metrics.events_relayed.inc(len(chunk))
         if plan.gap_ids:
             log.warning("relay: wrote EventsGap %s", ", ".join(plan.gap_ids))
+        if self._after_append is not None:
+            # the test hook sees every earlier batch marked and this one not yet
+            await self._settle_marking(lead)
+            await self._after_append([stream_id for stream_id, _ in plan.entries])
+        self._owed_records.extend(chunk)
+        self._owed_marks.extend(plan.marks)
+        self._owed = (plan.position, plan.gaps_left)
+        marker = self._marking
+        if marker is not None and marker.done():
+            self._marking = None
+            marker.result()  # its failure (lost fence, etcd down) surfaces here
+        if len(self._owed_records) + self._marking_records > self._batch:
+            # bounded: at most two batches appended but unmarked (what _prepare reads back)
+            await self._settle_marking(lead)
+        elif self._marking is None:
+            self._marking = asyncio.create_task(self._mark_owed(lead),
+                                                name=f"relay-mark:{self.instance_id}")
 
-    async def _settle_marking(self) -> None:
-        """Wait for the marking in flight; its failure (lost fence, etcd down) is raised here."""
+    async def _settle_marking(self, lead: Leadership) -> None:
+        """Mark everything appended; a failure (lost fence, etcd down) is raised here."""
         task, self._marking = self._marking, None
-        if task is not None:
-            await task
+        self._flush.set()
+        try:
+            if task is not None:
+                await task
+            if self._owed is not None:
+                await self._mark_owed(lead)
+        finally:
+            self._flush.clear()
 
     async def _end_marking(self, *, cancel: bool) -> None:
         """Finish (or, when the relay is being cancelled, cancel) the marking in flight.
@@ -635,6 +669,10 @@ class Relay:
         back from etcd, and the mark's compare-and-swap keeps a late write harmless.
         """
         task, self._marking = self._marking, None
+        # what is owed stays in the outbox: the next _prepare reads the mark back and the
+        # re-append of anything unmarked is recognised
+        self._owed_records, self._owed_marks, self._owed = [], [], None
+        self._marking_records = 0
         if task is None:
             return
         if cancel:
@@ -643,16 +681,38 @@ class Relay:
         if not task.cancelled() and task.exception() is not None:
             log.info("relay: the marking in flight did not finish: %r", task.exception())
 
-    async def _commit(self, lead: Leadership, chunk: list[OutboxRecord], plan: AppendPlan) -> None:
+    async def _mark_owed(self, lead: Leadership) -> None:
+        """Commit the owed marks until none is owed: whatever was appended while one
+        transaction was in flight rides in the next, so a burst costs a few etcd writes and
+        the appends never wait for etcd."""
+        loop = asyncio.get_running_loop()
+        while self._owed is not None:
+            pause = self._marked_at + self._mark_interval - loop.time()
+            if pause > 0 and not self._flush.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(pause):
+                        await self._flush.wait()
+                continue  # more may be owed by now
+            records, marks, (position, gaps) = self._owed_records, self._owed_marks, self._owed
+            self._owed_records, self._owed_marks, self._owed = [], [], None
+            self._marking_records = len(records)
+            try:
+                await self._commit(lead, records, marks, position, gaps)
+            finally:
+                self._marking_records = 0
+                self._marked_at = loop.time()
+
+    async def _commit(self, lead: Leadership, records: list[OutboxRecord], marks: list[str],
+                      position: IdKey, gaps: tuple[PendingGap, ...]) -> None:
         """Advance the mark and delete the relayed keys: fenced, <= 128 ops per txn."""
-        if not chunk:
-            await self._put_mark(lead, plan.position, plan.gaps_left, [])
+        if not records:
+            await self._put_mark(lead, position, gaps, [])
             return
-        for start in range(0, len(chunk), MAX_DELETES_PER_TXN):
-            part = chunk[start : start + MAX_DELETES_PER_TXN]
+        for start in range(0, len(records), MAX_DELETES_PER_TXN):
+            part = records[start : start + MAX_DELETES_PER_TXN]
             end = start + len(part)
-            mark = plan.position if end >= len(chunk) else id_key(plan.marks[end - 1])
-            await self._put_mark(lead, mark, plan.gaps_left, [r.key for r in part])
+            mark = position if end >= len(records) else id_key(marks[end - 1])
+            await self._put_mark(lead, mark, gaps, [r.key for r in part])
 
     async def _put_mark(
         self,

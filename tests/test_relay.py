@@ -32,7 +32,7 @@ from eventsource.relay import (
     RelayMark,
     plan_append,
 )
-from eventsource.stream import ZERO_ID, RedisEventLog, RedisUnavailable, writer_client
+from eventsource.stream import ZERO_ID, RedisEventLog, RedisUnavailable, id_key, writer_client
 from tests.fixtures.waiting import wait_for
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -515,3 +515,70 @@ async def test_marking_runs_at_most_one_batch_behind_the_stream(
     assert unmarked
     assert max(unmarked) <= 10, unmarked
     assert (await mark_of(etcd, layout)).last_id == expected[-1]
+
+
+async def test_marks_lag_at_most_two_batches_without_a_hook(
+    etcd, layout, metrics, committer, relays, log
+) -> None:
+    """The production path (no test hook): the marker runs beside the appends, and the relay
+    waits for it once more than a batch is unmarked, so what ``_prepare`` reads back after a
+    crash (two batches past the mark) always covers the unmarked tail.
+
+    The sampler reads the stream before the mark: what it counts is never more than was
+    really unmarked at that moment, so a count above the bound is a real violation.
+    """
+    batch = 10
+    worst = 0
+    done = asyncio.Event()
+
+    async def sample_unmarked() -> None:
+        nonlocal worst
+        while not done.is_set():
+            top = await log.top()
+            mark = (await mark_of(etcd, layout)).last_id
+            if top is not None:
+                after = await log.range(mark, 1000) if mark else await everything(log)
+                worst = max(worst, sum(id_key(e.stream_id) <= id_key(top.stream_id) for e in after))
+            await asyncio.sleep(0)
+
+    relays.start(log, batch=batch, mark_interval=5.0)  # pacing would let the tail grow
+    sampler = asyncio.create_task(sample_unmarked())
+    expected: list[str] = []
+    try:
+        for _ in range(12):
+            expected += await commit(committer, 5, per_change=2)
+        await wait_for(lambda: relayed(log, etcd, layout, 120), message="events not relayed")
+    finally:
+        done.set()
+        await sampler
+    assert [e.stream_id for e in await everything(log)] == expected
+    assert worst <= 2 * batch, worst
+    assert (await mark_of(etcd, layout)).last_id == expected[-1]
+
+
+async def test_marks_are_paced_while_appends_go_on(
+    etcd, layout, metrics, committer, relays, log
+) -> None:
+    """Events that arrive one by one are appended one by one, but their outbox deletes ride
+    in at most one mark transaction per ``mark_interval`` (plus the first), not one each."""
+    interval = 0.3
+    relays.start(log, batch=50, mark_interval=interval)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    expected: list[str] = []
+    for i in range(30):
+        expected += await commit(committer, 1)
+        # each event is in the stream before the next is committed: one append each
+        await wait_for(lambda n=i + 1: log_has(log, n), message="event not appended")
+    await wait_for(lambda: relayed(log, etcd, layout, 30), message="outbox not emptied")
+    elapsed = loop.time() - began
+    marks = metrics.registry.get_sample_value(
+        "persys_scheduler_etcd_txns_total", {"kind": "relay", "result": "committed"}) or 0
+    assert [e.stream_id for e in await everything(log)] == expected
+    assert marks <= elapsed / interval + 2, (marks, elapsed)
+    assert marks < 30
+    assert (await mark_of(etcd, layout)).last_id == expected[-1]
+
+
+async def log_has(log: RedisEventLog, count: int) -> bool:
+    return await log.length() >= count
