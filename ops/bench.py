@@ -31,6 +31,7 @@ import signal
 import sys
 from typing import Any
 
+from handlers.eventloop import run as run_loop
 from ops.benchlib.clients import ApiClients
 from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.scenario import BenchContext, Outcome, Scenario
@@ -255,7 +256,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("persys-scheduler bench: --metrics needs --scheduler", file=sys.stderr)
         return 2
     try:
-        outcome = asyncio.run(_run(args, scenario))
+        outcome = run_loop(lambda: _run(args, scenario), "uvloop")
     except KeyboardInterrupt:
         print("persys-scheduler bench: interrupted; everything it started is stopped",
               file=sys.stderr)
