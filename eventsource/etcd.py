@@ -424,8 +424,11 @@ class AsyncEtcd:
         deadline = time.monotonic() + budget
         future = loop.run_in_executor(self._lanes[lane], call, deadline)
         try:
-            # a little past the thread's own deadline: the thread's answer wins a tie
-            return await asyncio.wait_for(future, timeout=budget + 1.0)
+            # a little past the thread's own deadline: the thread's answer wins a tie.
+            # asyncio.timeout, not wait_for: wait_for wakes this task through one more loop
+            # iteration, and every etcd call of a command is on its latency path
+            async with asyncio.timeout(budget + 1.0):
+                return await future
         except TimeoutError as exc:
             raise Unavailable(f"etcd {what}: timed out after {budget + 1.0:.1f}s") from exc
 

@@ -120,7 +120,8 @@ class PrefixProjection(Generic[R]):
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (revision, next(self._waiter_seq), future))
         try:
-            await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: one loop iteration less
+                await future
         except TimeoutError as exc:
             # the cancelled future stays in the heap until its revision comes: _wake skips it
             raise Unavailable(
