@@ -25,8 +25,15 @@ both decided here from plain values so they can be tested with tables:
     its liveness key is still absent in etcd, so a projection running behind cannot mistake a
     live node for a lost one. This protects live nodes only: for a binding that holds while a
     node is down, issue one certificate per node and use ``name``.
-  * ``name``: the node id must be the certificate's common name or one of its DNS names (a
-    PKI that issues one certificate per node; the Kubernetes node-authorizer model).
+  * ``name``: a PKI that issues one certificate per node (the Kubernetes node-authorizer
+    model). The certificate must be an agent's (its common name one of
+    ``SCHEDULER_AGENT_CERT_NAMES``, so a node's certificate never has operator rights), the
+    node id must be one of its DNS names, compared exactly (node ids are case-sensitive etcd
+    keys: the certificate of ``web-1`` does not speak for ``WEB-1`` or ``web-1.``), and, as in
+    ``endpoint``, it must name the host of the ``grpc_endpoint`` it registers: otherwise an
+    agent could register its own node at another node's agent, and drift would find that
+    node's workloads on it. The common name never counts as a node name (every agent shares
+    it).
   * ``off``: no binding, as in the Go version.
 """
 
@@ -169,6 +176,7 @@ def moves_node(caller: Caller, binding: NodeBinding, *, host: str,
 def refuse_registration(
     caller: Caller, binding: NodeBinding, *, node_id: str, host: str,
     registered_host: str | None, lost: bool,
+    agent_names: Iterable[str] = DEFAULT_AGENT_CERT_NAMES,
 ) -> str | None:
     """Why ``caller`` may not register ``node_id`` at ``host``, or None if it may.
 
@@ -179,10 +187,14 @@ def refuse_registration(
     if binding is NodeBinding.OFF:
         return None
     if binding is NodeBinding.NAME:
-        return _refuse_name(caller, node_id)
+        refusal = _refuse_name(caller, node_id, agent_names)
+        if refusal is not None:
+            return refusal
     if not caller.names_host(host):
         return (f"grpc_endpoint: host {host!r} is not named by the client certificate "
                 f"({caller.describe()})")
+    if binding is NodeBinding.NAME:
+        return None  # the node is the certificate's own: it may move it to a host it names
     if not moves_node(caller, binding, host=host, registered_host=registered_host) or lost:
         return None
     return (f"grpc_endpoint: node {node_id!r} is alive at host {registered_host!r}; another "
@@ -190,21 +202,27 @@ def refuse_registration(
 
 
 def refuse_heartbeat(caller: Caller, binding: NodeBinding, *, node_id: str,
-                     registered_host: str) -> str | None:
+                     registered_host: str,
+                     agent_names: Iterable[str] = DEFAULT_AGENT_CERT_NAMES) -> str | None:
     """Why ``caller`` may not heartbeat for ``node_id`` (registered at
     ``registered_host``), or None if it may."""
     if binding is NodeBinding.OFF:
         return None
     if binding is NodeBinding.NAME:
-        return _refuse_name(caller, node_id)
+        return _refuse_name(caller, node_id, agent_names)
     if caller.names_host(registered_host):
         return None
     return (f"node {node_id!r} is registered at host {registered_host!r}, which the client "
             f"certificate ({caller.describe()}) does not name")
 
 
-def _refuse_name(caller: Caller, node_id: str) -> str | None:
-    if node_id == caller.common_name or _dns_key(node_id) in caller.dns_names:
+def _refuse_name(caller: Caller, node_id: str, agent_names: Iterable[str]) -> str | None:
+    if not is_agent(caller, agent_names):
+        return (f"node_id: {node_id!r} may be spoken for only by an agent certificate (common "
+                f"name in SCHEDULER_AGENT_CERT_NAMES), not ({caller.describe()})")
+    # DNS names are kept lower-cased without a trailing dot: an id that differs from its own
+    # normal form (case, a trailing dot) is another etcd key and never a certificate's name
+    if _dns_key(node_id) == node_id and node_id in caller.dns_names:
         return None
-    return (f"node_id: {node_id!r} is neither the common name nor a DNS name of the client "
-            f"certificate ({caller.describe()})")
+    return (f"node_id: {node_id!r} is not a DNS name of the client certificate "
+            f"({caller.describe()}); node ids compare exactly")

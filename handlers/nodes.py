@@ -209,7 +209,8 @@ class NodeCommands:
                     caller, self.settings.node_binding, node_id=node_id, host=host,
                     registered_host=(previous.ip_address or None) if previous else None,
                     lost=previous is not None and (previous.status == NOT_READY
-                                                   or self.cluster.alive.get(node_id) is None))
+                                                   or self.cluster.alive.get(node_id) is None),
+                    agent_names=self.settings.agent_cert_names)
                 if refusal is not None:
                     raise _Refused(refusal)
             node = copy_record(previous) if previous else Node(node_id=node_id)
@@ -359,7 +360,8 @@ class NodeCommands:
             return HeartbeatOutcome(known=False)
         if caller is not None:
             refusal = refuse_heartbeat(caller, self.settings.node_binding, node_id=node_id,
-                                       registered_host=item.value.ip_address)
+                                       registered_host=item.value.ip_address,
+                                       agent_names=self.settings.agent_cert_names)
             if refusal is not None:
                 self.metrics.calls_refused.labels("Heartbeat").inc()
                 log.warning("heartbeat refused by certificate node_id=%s caller=%s",

@@ -132,18 +132,49 @@ def test_endpoint_binding_on_heartbeat(registered, refused):
 
 
 @pytest.mark.parametrize(("node_id", "refused"), [
-    ("worker-5.example", False), ("Worker-5.example", False), ("compute-agent", False),
+    ("worker-5.example", False),
+    # node ids are case-sensitive etcd keys: variants are other nodes
+    ("Worker-5.example", True), ("WORKER-5.EXAMPLE", True), ("worker-5.example.", True),
+    ("compute-agent", True),  # the common name is every agent's: never a node name
     ("worker-6.example", True), ("10.0.0.5", True),  # an IP SAN is not a node name
 ])
 def test_name_binding(node_id, refused):
     for reason in (
-        refuse_registration(AGENT, NodeBinding.NAME, node_id=node_id, host="10.9.9.9",
+        refuse_registration(AGENT, NodeBinding.NAME, node_id=node_id, host="10.0.0.5",
                             registered_host="10.8.8.8", lost=False),
         refuse_heartbeat(AGENT, NodeBinding.NAME, node_id=node_id, registered_host="10.8.8.8"),
     ):
         assert (reason is not None) is refused
         if refused:
             assert reason.startswith("node_id")
+
+
+def test_name_binding_also_binds_the_endpoint_host():
+    # the certificate of worker-5 may not register worker-5 at another agent's host: drift
+    # would then find that agent's workloads on worker-5 and hand them over
+    reason = refuse_registration(AGENT, NodeBinding.NAME, node_id="worker-5.example",
+                                 host="10.9.9.9", registered_host=None, lost=False)
+    assert reason is not None
+    assert reason.startswith("grpc_endpoint")
+    # a host it names, even away from the registered one: the node is its own
+    assert refuse_registration(AGENT, NodeBinding.NAME, node_id="worker-5.example",
+                               host="a.pool.example", registered_host="10.0.0.5",
+                               lost=False) is None
+
+
+def test_name_binding_takes_only_agent_certificates():
+    # a per-node certificate whose common name is not an agent name would be an operator's
+    node_cert = Caller.of("worker-5.example", ["worker-5.example", "10.0.0.5"])
+    for reason in (
+        refuse_registration(node_cert, NodeBinding.NAME, node_id="worker-5.example",
+                            host="10.0.0.5", registered_host=None, lost=False),
+        refuse_heartbeat(node_cert, NodeBinding.NAME, node_id="worker-5.example",
+                         registered_host="10.0.0.5"),
+    ):
+        assert reason is not None
+        assert "SCHEDULER_AGENT_CERT_NAMES" in reason
+    assert refuse_heartbeat(node_cert, NodeBinding.NAME, node_id="worker-5.example",
+                            registered_host="10.0.0.5", agent_names=["worker-5.example"]) is None
 
 
 def test_moving_a_node_is_named_so_the_commit_can_check_it_is_lost():

@@ -273,8 +273,13 @@ async def test_name_binding_and_an_operator_list(
             far = clients.stub(pki.agent_elsewhere)
             caps = pb.NodeCapabilities(cpu_total_millicores=1000, memory_total_mb=1024)
             ok = await far.RegisterNode(pb.RegisterNodeRequest(
-                node_id="node-far", grpc_endpoint="10.9.9.9:1", capabilities=caps), timeout=5)
+                node_id="node-far", grpc_endpoint="10.1.2.3:1", capabilities=caps), timeout=5)
             assert ok.accepted, ok.reason
+            # its own node, but at a host its certificate does not name (another agent's)
+            elsewhere = await far.RegisterNode(pb.RegisterNodeRequest(
+                node_id="node-far", grpc_endpoint="10.9.9.9:1", capabilities=caps), timeout=5)
+            assert not elsewhere.accepted
+            assert elsewhere.reason.startswith("grpc_endpoint")
             other = await far.RegisterNode(pb.RegisterNodeRequest(
                 node_id="node-near", grpc_endpoint="10.1.2.3:1", capabilities=caps), timeout=5)
             assert not other.accepted
