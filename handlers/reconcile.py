@@ -43,7 +43,7 @@ from handlers.retry import (
     reapply_guard,
     retry_wait,
 )
-from handlers.specs import being_deleted, normalize_desired_state
+from handlers.specs import InvalidSpec, being_deleted, normalize_desired_state, validate_id
 from handlers.workloads import is_node_local
 
 RUNNING = "Running"
@@ -529,6 +529,10 @@ RETRY_AND_RECONCILE = "retry_and_reconcile"
 ADOPT_ACTIONS = frozenset({ADOPT, REASSIGN_MISSING_OWNER, REBIND_ROTATED, FAILOVER_REASSIGN,
                            REASSIGN})
 DELETE_ON_AGENT_ACTIONS = frozenset({DELETE_ORPHAN, DELETE_DUPLICATE})
+#: orphans classified per node and pass: an agent's listing is its own word, and a listing of
+#: thousands of made-up ids must not become thousands of records, events and deletes at once
+#: (the rest are found by the next passes, as these are deleted)
+MAX_ORPHANS_PER_NODE = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -575,7 +579,8 @@ def classify_drift(
     with ``ok`` are compared; owners that were not listed count as "unknown" (never "missing").
     Adoptions are decided first, so ``missing_on_agent`` skips a workload re-bound this cycle,
     and a workload reported by several non-owners is adopted by one (the lowest node id) and
-    deleted as a duplicate from the others.
+    deleted as a duplicate from the others. Ids that are not valid workload ids are ignored,
+    and at most ``MAX_ORPHANS_PER_NODE`` orphans are classified per node.
     """
     findings: list[DriftFinding] = []
     adopted: set[str] = set()
@@ -584,6 +589,7 @@ def classify_drift(
         obs = observations[node_id]
         mine = expected.get(node_id, ())
         here = nodes.get(node_id)
+        orphans = 0
         for wid in sorted(obs.workloads):
             seen = obs.workloads[wid]
             status = statuses.get(wid)
@@ -591,6 +597,9 @@ def classify_drift(
             if wid in mine and status is not None and spec is not None:
                 findings.extend(_expected_drift(node_id, spec, status, seen, now, policy))
                 continue
+            if orphans >= MAX_ORPHANS_PER_NODE or not _valid_id(wid):
+                continue
+            orphans += 1
             findings.append(_orphan(node_id, here, wid, spec, status, seen, nodes,
                                     observations, adopted, now, policy))
     for node_id in listed:
@@ -635,9 +644,18 @@ def _orphan(node_id: str, here: NodeView | None, wid: str, spec: WorkloadSpec | 
             status: WorkloadStatus | None, seen: ObservedWorkload,
             nodes: Mapping[str, NodeView], observations: Mapping[str, NodeObservation],
             adopted: set[str], now: datetime, policy: RetryPolicy) -> DriftFinding:
-    """Classify a workload an agent holds but the scheduler assigned elsewhere (or nowhere)."""
+    """Classify a workload an agent holds but the scheduler assigned elsewhere (or nowhere).
+
+    The reporting agent's word alone never moves a workload to its node: an adoption that
+    changes the owner needs the agent to report the spec's revision, which it can know only
+    from an apply of that very spec. Otherwise one node's agent could list another node's
+    workload id while that node restarts and be sent the spec, secrets included; such a
+    finding is left to the operator (``operator_investigation``) and to the normal failover.
+    """
 
     def finding(action: str, previous: str = "") -> DriftFinding:
+        if action in ADOPT_ACTIONS and previous != node_id and not _vouched(spec, seen):
+            action = INVESTIGATE
         if action in ADOPT_ACTIONS:
             if wid in adopted:
                 action = DELETE_DUPLICATE
@@ -668,6 +686,18 @@ def _orphan(node_id: str, here: NodeView | None, wid: str, spec: WorkloadSpec | 
     if not owner_view.available or (owner_obs is not None and owner_obs.unreachable):
         return finding(FAILOVER_REASSIGN, owner)
     return finding(INVESTIGATE, owner)
+
+
+def _vouched(spec: WorkloadSpec | None, seen: ObservedWorkload) -> bool:
+    """The agent reports the revision the scheduler holds for this workload."""
+    return spec is not None and bool(spec.revision_id) and seen.revision_id == spec.revision_id
+
+
+def _valid_id(workload_id: str) -> bool:
+    try:
+        return validate_id("workload_id", workload_id) == workload_id
+    except InvalidSpec:
+        return False
 
 
 def _real(endpoint: str) -> bool:

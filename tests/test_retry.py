@@ -33,7 +33,9 @@ from handlers.reconcile import (
     FAILOVER_REASSIGN,
     FAILURE_REASON,
     FINALIZE,
+    INVESTIGATE,
     MARK_TERMINAL,
+    MAX_ORPHANS_PER_NODE,
     MISSING_ON_AGENT,
     NOOP,
     ORPHAN,
@@ -42,6 +44,7 @@ from handlers.reconcile import (
     REAPPLY_BACKOFF_WAIT,
     REASSIGN,
     REASSIGN_MISSING_OWNER,
+    REBIND_ROTATED,
     RETRY_TERMINAL,
     REVISION_MISMATCH,
     SETTLE,
@@ -616,6 +619,61 @@ def test_orphan_adopted_once_and_in_flight_owner_waits() -> None:
     found = classify_drift(specs, statuses, expected={"a": {"w"}}, nodes=nodes,
                            observations=observations, now=T0, policy=POLICY)
     assert [(f.node_id, f.action) for f in found] == [("b", AWAIT_OWNER_APPLY)]
+
+
+@pytest.mark.parametrize("revision", ["forged", "", "rev-0"])
+def test_an_agents_word_alone_never_moves_a_workload_to_its_node(revision: str) -> None:
+    """Every adoption that changes the owner needs the reporter to hold the spec's revision:
+    otherwise it is left to the operator (and the owner's own missing_on_agent re-apply)."""
+    specs, statuses, nodes = drift_world()
+    specs["pending"] = spec("pending")
+    statuses["pending"] = status("pending", node="", state="Pending")
+    nodes["n4"] = node_view("n4", Node(node_id="n4", status="Ready", agent_endpoint="h1:1"),
+                            alive=True)  # n1's endpoint: a rotated node id
+    claimed = {w: seen("Running", w, revision=revision)
+               for w in ("moved", "dead-owner", "ghost-owner", "pending")}
+    observations = {
+        "n1": NodeObservation("n1", True, {w: seen("Running", w) for w in
+                                           ("ok", "mis", "dup", "del", "fresh")}),
+        "n2": NodeObservation("n2", True, claimed),
+        "n4": NodeObservation("n4", True, {"rev": seen("Running", "rev", revision=revision)}),
+    }
+    expected = {"n1": {w for w, s in statuses.items() if s.node_id == "n1"}, "n2": set(),
+                "n4": set()}
+    found = classify_drift(specs, statuses, expected=expected, nodes=nodes,
+                           observations=observations, now=T0, policy=POLICY)
+    orphans = {(f.node_id, f.workload_id): f.action for f in found if f.drift_type == ORPHAN
+               and f.node_id in ("n2", "n4")}
+    assert orphans == {("n2", "moved"): INVESTIGATE, ("n2", "dead-owner"): INVESTIGATE,
+                       ("n2", "ghost-owner"): INVESTIGATE, ("n2", "pending"): INVESTIGATE,
+                       ("n4", "rev"): INVESTIGATE}
+    # nothing adopted: the owner's own copy is reported missing and re-applied there
+    assert ("n1", "moved", MISSING_ON_AGENT) in {(f.node_id, f.workload_id, f.drift_type)
+                                                for f in found}
+    # with the spec's revision the same reports are adoptions
+    specs["rev"].revision_id = "rev-1"
+    for obs in (observations["n2"], observations["n4"]):
+        for wid in obs.workloads:
+            obs.workloads[wid] = seen("Running", wid)
+    found = classify_drift(specs, statuses, expected=expected, nodes=nodes,
+                           observations=observations, now=T0, policy=POLICY)
+    orphans = {(f.node_id, f.workload_id): f.action for f in found if f.drift_type == ORPHAN
+               and f.node_id in ("n2", "n4")}
+    assert orphans == {("n2", "moved"): REASSIGN, ("n2", "dead-owner"): FAILOVER_REASSIGN,
+                       ("n2", "ghost-owner"): REASSIGN_MISSING_OWNER, ("n2", "pending"): ADOPT,
+                       ("n4", "rev"): REBIND_ROTATED}
+
+
+def test_an_agents_listing_is_bounded_and_invalid_ids_are_ignored() -> None:
+    specs, statuses, nodes = drift_world()
+    junk = {f"junk-{i:05d}": seen("Running", f"junk-{i:05d}") for i in range(1000)}
+    junk.update({"a/b": seen("Running", "a/b"), "x" * 300: seen("Running", "x" * 300),
+                 " pad": seen("Running", " pad")})
+    observations = {"n2": NodeObservation("n2", True, junk)}
+    found = classify_drift(specs, statuses, expected={"n2": set()}, nodes=nodes,
+                           observations=observations, now=T0, policy=POLICY)
+    assert len(found) == MAX_ORPHANS_PER_NODE
+    assert all(f.action == DELETE_ORPHAN and f.workload_id.startswith("junk-") for f in found)
 
 
 def test_deduper_window_and_bound() -> None:
