@@ -70,6 +70,7 @@ from handlers.reconcile import (
     COUNT_FAILURE,
     DELETE,
     DELETE_ON_AGENT_ACTIONS,
+    DELETE_ORPHAN,
     DELETE_RESIDUAL,
     FAILOVER,
     FINALIZE,
@@ -131,6 +132,9 @@ if TYPE_CHECKING:
     from handlers.config import Settings
     from handlers.server import Scheduler
     from projections.cluster import WorkloadIndex
+
+#: drift actions whose success (the workload deleted on the agent) clears the DriftRecord
+CLEARED_WHEN_DONE = DELETE_ON_AGENT_ACTIONS | {DELETE_RESIDUAL}
 
 log = logging.getLogger("persys.loops")
 
@@ -945,9 +949,14 @@ class ReconcileLoop(_Shell):
         pending: list[Change] = []
         for f in findings:
             ok, error, recorded = outcomes.get(f.key, (False, "not run", False))
-            if recorded or not self.dedup.admit(f.key, now):
+            if recorded:
                 continue
-            pending.append(self._drift_change(f, ok=ok, error=error, now=now))
+            admitted = self.dedup.admit(f.key, now)
+            # a delete done on the agent clears the record even when its event is de-duplicated
+            # (an earlier failed attempt may have written it)
+            if admitted or (ok and f.action in CLEARED_WHEN_DONE):
+                pending.append(self._drift_change(f, ok=ok, error=error, now=now,
+                                                  event=admitted))
         for start in range(0, len(pending), DRIFT_BATCH):
             batch = Change(kind="drift")
             for change in pending[start:start + DRIFT_BATCH]:
@@ -957,7 +966,22 @@ class ReconcileLoop(_Shell):
             except StoreError as exc:
                 log.warning("drift records not stored (%d): %s", len(batch.puts), exc)
 
-    def _drift_change(self, f: DriftFinding, *, ok: bool, error: str, now: datetime) -> Change:
+    def _drift_change(self, f: DriftFinding, *, ok: bool, error: str, now: datetime,
+                      event: bool = True) -> Change:
+        """The DriftRecord and DriftDetected of a finding (E7), with two exceptions that keep
+        etcd bounded whatever an agent lists: a delete done on the agent clears its record
+        (as Go's verified orphan delete did), and an orphan whose id the scheduler does not
+        know gets its event but no record (the id is the agent's word only)."""
+        key = self.layout.drift(f.node_id, f.workload_id, f.drift_type)
+        events = [Event(type="DriftDetected", workload_id=f.workload_id, node_id=f.node_id,
+                        reason=f.drift_type, timestamp=now, details={
+                            "scheduler_status": f.scheduler_status,
+                            "agent_status": f.agent_status, "action": f.action,
+                            "resolved": str(ok).lower(), "last_error": error})] if event else []
+        if ok and f.action in CLEARED_WHEN_DONE:
+            return Change(kind="drift", deletes=[Delete(key, category="drift")], events=events)
+        if f.action == DELETE_ORPHAN:
+            return Change(kind="drift", events=events)
         record = {
             "nodeId": f.node_id, "workloadId": f.workload_id, "driftType": f.drift_type,
             "detectedAt": rfc3339(now), "schedulerStatus": f.scheduler_status,
@@ -966,13 +990,8 @@ class ReconcileLoop(_Shell):
         }
         return Change(
             kind="drift",
-            puts=[Put(self.layout.drift(f.node_id, f.workload_id, f.drift_type),
-                      json.dumps(record, separators=(",", ":")).encode(), category="drift")],
-            events=[Event(type="DriftDetected", workload_id=f.workload_id, node_id=f.node_id,
-                          reason=f.drift_type, timestamp=now, details={
-                              "scheduler_status": f.scheduler_status,
-                              "agent_status": f.agent_status, "action": f.action,
-                              "resolved": str(ok).lower(), "last_error": error})])
+            puts=[Put(key, json.dumps(record, separators=(",", ":")).encode(), category="drift")],
+            events=events)
 
     async def _align(self, f: DriftFinding, results: Mapping[str, tuple[str, bool, str]],
                      now: datetime) -> bool:
