@@ -85,7 +85,7 @@ class Settings:
     advertise_ip: str = ""
     advertise_port: int = 0
     redis_addr: str = ""
-    redis_password: str = ""
+    redis_password: str = field(default="", repr=False)  # never in a logged repr
     redis_db: int = 0
     redis_event_ttl_s: float = 24 * 3600.0
     redis_event_max_entries: int = 1000

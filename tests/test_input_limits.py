@@ -149,3 +149,12 @@ async def test_workload_records_that_would_not_fit_etcd_are_invalid_specs(
         assert not answers[3].success
         assert answers[3].failure_reason == pb.INVALID_SPEC
         assert answers[3].error_message.startswith("spec.metadata:")
+
+
+def test_the_redis_password_is_not_in_the_settings_repr() -> None:
+    from handlers.config import load_settings
+
+    settings = load_settings({"REDIS_ADDR": "127.0.0.1:6379", "REDIS_PASSWORD": "s3cr3t-pw"},
+                             insecure=True)
+    assert settings.redis_password == "s3cr3t-pw"
+    assert "s3cr3t-pw" not in repr(settings)
