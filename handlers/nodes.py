@@ -31,7 +31,15 @@ from eventsource.events import Event, parse_rfc3339, rfc3339
 from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
-from eventsource.records import Node, Resources, Taint, WorkloadStatus, copy_record, encode
+from eventsource.records import (
+    Node,
+    ReasonInfo,
+    Resources,
+    Taint,
+    WorkloadStatus,
+    copy_record,
+    encode,
+)
 from handlers.authz import Caller, moves_node, refuse_heartbeat, refuse_registration
 from handlers.config import Settings
 from handlers.liveness import RenewalLog, lease_ttl
@@ -58,6 +66,8 @@ MESSAGE_MAX_CHARS = 1024
 #: a usage snapshot's free-text fields (its type and source): one agent must not be able to
 #: grow the usage keys and the meter stream without bound
 USAGE_TEXT_MAX_CHARS = 64
+#: a ReasonDetail's code (the Go agent's metadata ``failure_reason``, e.g. "ImagePullFailed")
+REASON_CODE_MAX_CHARS = 128
 #: the host of a node's grpc_endpoint (a DNS name is at most 253)
 HOST_MAX_CHARS = 253
 #: storage drivers a node may declare, and the length of one name
@@ -77,6 +87,35 @@ def agent_message(ws: control_pb2.WorkloadStatus) -> str:
 
 def already_logged(logs: str, message: str) -> bool:
     return message in logs[-(RECENT_LOG_CHARS + len(message)):]
+
+
+def agent_reason(ws: control_pb2.WorkloadStatus) -> ReasonInfo | None:
+    """The agent's ReasonDetail as ``statusInfo.reason`` stores it (times RFC3339, text
+    bounded); None when the status carries none. An all-empty detail is returned as such: it
+    says the workload has no reason now."""
+    if not ws.HasField("reason"):
+        return None
+    r = ws.reason
+    message = r.message if len(r.message) <= MESSAGE_MAX_CHARS else (
+        r.message[:MESSAGE_MAX_CHARS] + "…")
+    return ReasonInfo(
+        code=r.code[:REASON_CODE_MAX_CHARS], message=message, retryable=r.retryable,
+        last_transition=_time_text(r, "last_transition"),
+        next_retry_at=_time_text(r, "next_retry_at"))
+
+
+def _is_empty(reason: ReasonInfo) -> bool:
+    return not (reason.code or reason.message or reason.retryable or reason.next_retry_at)
+
+
+def same_reason(stored: ReasonInfo | None, reported: ReasonInfo) -> bool:
+    """Whether ``reported`` says what ``stored`` says. ``last_transition`` is left out: the Go
+    agent stamps it from the workload's update time (or now, when it has none), so it can move
+    on every heartbeat while the reason stays the same; the stored one says when it began."""
+    if stored is None or _is_empty(stored):
+        return _is_empty(reported)
+    return (stored.code, stored.message, stored.retryable, stored.next_retry_at) == (
+        reported.code, reported.message, reported.retryable, reported.next_retry_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,13 +465,17 @@ class NodeCommands:
             if current.status == "RetryPending" and state == "Failed":
                 continue  # the retry budget already decided what follows this failure
             message = agent_message(ws)
+            reason = agent_reason(ws)
+            new_reason = reason is not None and not same_reason(
+                current.status_info.reason, reason)
             if current.status in ("Deleting", "Deleted") or (
-                current.status == state and not message
+                current.status == state and not message and not new_reason
             ):
                 continue
             if current.status in ("Scheduled", "Updating") and _older_than_apply(ws, current):
                 continue  # what ran before the apply in flight: not its outcome
-            if current.status == state and message and already_logged(current.logs, message):
+            if current.status == state and message and already_logged(current.logs, message) \
+                    and not new_reason:
                 continue
             changed.append((wid, state, ws))
         if changed:
@@ -462,6 +505,12 @@ class NodeCommands:
             if status.node_id != node_id or status.status in ("Deleting", "Deleted"):
                 return None
             changed = False
+            # the Go version's UpdateWorkloadRuntimeDetails: the agent's reason detail, kept in
+            # statusInfo.reason (WorkloadView.reason); a fresh copy per attempt
+            reason = agent_reason(ws)
+            if reason is not None and not same_reason(status.status_info.reason, reason):
+                status.status_info.reason = None if _is_empty(reason) else reason
+                changed = True
             if status.status != state:
                 status.status = state
                 status.status_info.actual_state = state
@@ -622,9 +671,14 @@ def _usage_dict(u: control_pb2.WorkloadUsageSnapshot) -> dict[str, Any]:
 def _collected_at(u: control_pb2.WorkloadUsageSnapshot) -> str:
     """The snapshot's time, or "" when absent or not a time (a bad clock on one agent must not
     fail its whole heartbeat)."""
-    if not u.HasField("collected_at"):
+    return _time_text(u, "collected_at")
+
+
+def _time_text(message: Any, field_name: str) -> str:
+    """A Timestamp field of ``message`` as RFC3339, or "" when absent or not a time."""
+    if not message.HasField(field_name):
         return ""
     try:
-        return rfc3339(u.collected_at.ToDatetime(tzinfo=UTC))
+        return rfc3339(getattr(message, field_name).ToDatetime(tzinfo=UTC))
     except (ValueError, OverflowError, OSError):
         return ""
