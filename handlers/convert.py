@@ -30,7 +30,9 @@ def set_time(target: Timestamp, value: str | datetime | None) -> None:
 
 
 def node_view(node: Node, allocation: Allocation | None, *, alive: bool,
-              last_heartbeat: str = "") -> control_pb2.NodeView:
+              last_heartbeat: datetime | None = None) -> control_pb2.NodeView:
+    """``last_heartbeat``: the newest heartbeat known outside the record (handlers.usage); the
+    view shows it or the record's ``lastHeartbeat``, whichever is newer."""
     view = control_pb2.NodeView(
         node_id=node.node_id,
         status=node.status if alive or node.status != "Ready" else "Ready",
@@ -47,7 +49,11 @@ def node_view(node: Node, allocation: Allocation | None, *, alive: bool,
     view.available_cpu_cores = max(0.0, node.total_cpu - allocated_cpu)
     view.available_memory_mb = max(0, node.total_memory - allocated_mem)
     set_time(view.status_updated_at, node.status_updated_at)
-    set_time(view.last_heartbeat, last_heartbeat or node.last_heartbeat)
+    recorded = parse_rfc3339(node.last_heartbeat)
+    if last_heartbeat is None or (recorded is not None and recorded > last_heartbeat):
+        set_time(view.last_heartbeat, recorded)
+    else:
+        set_time(view.last_heartbeat, last_heartbeat)
     for t in node.taints:
         view.taints.append(control_pb2.NodeTaint(key=t.key, value=t.value, effect=t.effect))
     return view

@@ -6,9 +6,11 @@ lease (a keepalive is not a Raft write; about every other heartbeat, see ``handl
 and many heartbeats' renewals share one gateway call, see ``eventsource.keepalives``);
 when it expires etcd deletes the key and the leader's node monitor sees the delete. The node
 record is rewritten only when something in it changes
-(registration data, a NotReady -> Ready transition, an operator action). Workload states reported
-in heartbeats are written only when they differ from the stored status, and only for workloads
-assigned to the reporting node: one node's agent cannot change another node's workloads.
+(registration data, a NotReady -> Ready transition, an operator action); the time of the last
+heartbeat, which GetNode and ListNodes show, is kept in Redis and in memory (``handlers.usage``).
+Workload states reported in heartbeats are written only when they differ from the stored
+status, and only for workloads assigned to the reporting node: one node's agent cannot change
+another node's workloads.
 """
 
 from __future__ import annotations
@@ -347,6 +349,8 @@ class NodeCommands:
             return RegisterOutcome(False, "too many concurrent updates of this node; retry")
         except StoreError as exc:
             return RegisterOutcome(False, f"registration not stored: {exc}")
+        # a registration is a heartbeat too (the record is rewritten only when it changed)
+        self.usage.heartbeat(node_id, now)
         return RegisterOutcome(
             True, "registered", self.settings.heartbeat_interval_s,
             now + timedelta(seconds=self.settings.node_lease_ttl_s),
@@ -407,6 +411,9 @@ class NodeCommands:
                             node_id, caller.describe())
                 return HeartbeatOutcome(True, refused=refusal)
         now = self.clock.now()
+        # NodeView.last_heartbeat, kept outside etcd (handlers.usage): also while degraded,
+        # since the heartbeat did arrive
+        self.usage.heartbeat(node_id, now)
         lease_until = now + timedelta(seconds=self.settings.node_lease_ttl_s)
         if not self.mode.writable:
             # keep the fleet as it is: an etcd blip must not make agents stop their workloads

@@ -47,7 +47,7 @@ from handlers.servicer import ControlServicer
 from handlers.state import StateWriter
 from handlers.supervisor import ModeSupervisor
 from handlers.tls import ServerCertificates
-from handlers.usage import UsageSink
+from handlers.usage import UsageSink, heartbeat_key_prefix
 from handlers.vault import VaultKV
 from handlers.workloads import Relocator, WorkloadCommands, managed_volumes_of
 from projections.cluster import ClusterProjection
@@ -184,7 +184,8 @@ class Scheduler:
                             if settings.redis_addr else None)
         self.usage = UsageSink(self.usage_redis, meter_stream=settings.meter_stream,
                                meter_maxlen=settings.meter_stream_maxlen,
-                               meter_enabled=settings.meter_stream_enabled)
+                               meter_enabled=settings.meter_stream_enabled,
+                               heartbeat_prefix=heartbeat_key_prefix(settings.etcd_root))
         self.keepalives = KeepaliveBatcher(self.etcd, metrics=self.metrics)
         self.nodes = NodeCommands(etcd=self.etcd, cluster=self.cluster, committer=self.committer,
                                   writer=self.writer, relocator=self.relocator, usage=self.usage,

@@ -238,13 +238,24 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         except StoreError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd: {exc}")
 
-    def _node_view(self, node_id: str) -> control_pb2.NodeView:
+    async def _node_view(self, node_id: str) -> control_pb2.NodeView:
+        if self.cluster.nodes.get(node_id) is None:
+            return control_pb2.NodeView(node_id=node_id)
+        beats = await self.usage.last_heartbeats([node_id])
+        return self._view_of(node_id, beats.get(node_id)) or control_pb2.NodeView(
+            node_id=node_id)
+
+    def _view_of(self, node_id: str, last_heartbeat: datetime | None
+                 ) -> control_pb2.NodeView | None:
+        """The node's view from the projections; ``last_heartbeat`` from handlers.usage (a
+        heartbeat writes nothing to etcd)."""
         item = self.cluster.nodes.get(node_id)
         if item is None:
-            return control_pb2.NodeView(node_id=node_id)
+            return None
         alloc = self.cluster.allocations.get(node_id)
         return node_view(item.value, alloc.value if alloc else None,
-                         alive=self.cluster.alive.get(node_id) is not None)
+                         alive=self.cluster.alive.get(node_id) is not None,
+                         last_heartbeat=last_heartbeat)
 
     async def DrainNode(self, request: control_pb2.DrainNodeRequest,
                         context: grpc.aio.ServicerContext) -> control_pb2.DrainNodeResponse:
@@ -252,7 +263,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
             _node, moved = await self.nodes.drain(node_id, request.reason)
             return control_pb2.DrainNodeResponse(
                 accepted=True, message=f"node draining; {moved} workloads relocated",
-                relocated_workloads=moved, node=self._node_view(node_id))
+                relocated_workloads=moved, node=await self._node_view(node_id))
         result: control_pb2.DrainNodeResponse = await self._node_control(
             context, request.node_id, body)
         return result
@@ -262,7 +273,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         async def body(node_id: str) -> control_pb2.UndrainNodeResponse:
             await self.nodes.undrain(node_id, request.reason)
             return control_pb2.UndrainNodeResponse(accepted=True, message="node ready",
-                                                   node=self._node_view(node_id))
+                                                   node=await self._node_view(node_id))
         result: control_pb2.UndrainNodeResponse = await self._node_control(
             context, request.node_id, body)
         return result
@@ -280,7 +291,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         async def body(node_id: str) -> control_pb2.TaintNodeResponse:
             await self.nodes.taint(node_id, taint.key.strip(), taint.value, taint.effect)
             return control_pb2.TaintNodeResponse(accepted=True, message="tainted",
-                                                  node=self._node_view(node_id))
+                                                  node=await self._node_view(node_id))
         result: control_pb2.TaintNodeResponse = await self._node_control(
             context, request.node_id, body)
         return result
@@ -296,7 +307,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         async def body(node_id: str) -> control_pb2.UntaintNodeResponse:
             await self.nodes.untaint(node_id, request.key.strip(), request.effect)
             return control_pb2.UntaintNodeResponse(accepted=True, message="untainted",
-                                                    node=self._node_view(node_id))
+                                                    node=await self._node_view(node_id))
         result: control_pb2.UntaintNodeResponse = await self._node_control(
             context, request.node_id, body)
         return result
@@ -314,7 +325,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         async def body(node_id: str) -> control_pb2.SetNodeLabelResponse:
             await self.nodes.set_label(node_id, request.key.strip(), request.value)
             return control_pb2.SetNodeLabelResponse(accepted=True, message="label set",
-                                                     node=self._node_view(node_id))
+                                                     node=await self._node_view(node_id))
         result: control_pb2.SetNodeLabelResponse = await self._node_control(
             context, request.node_id, body)
         return result
@@ -328,7 +339,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         async def body(node_id: str) -> control_pb2.DeleteNodeLabelResponse:
             await self.nodes.delete_label(node_id, request.key.strip())
             return control_pb2.DeleteNodeLabelResponse(accepted=True, message="label deleted",
-                                                        node=self._node_view(node_id))
+                                                        node=await self._node_view(node_id))
         result: control_pb2.DeleteNodeLabelResponse = await self._node_control(
             context, request.node_id, body)
         return result
@@ -352,10 +363,12 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         await self._require_ready(context)
         wanted = request.status.strip().lower()
         resp = control_pb2.ListNodesResponse()
-        for node_id in sorted(self.cluster.nodes.items):
-            view = self._node_view(node_id)
-            if wanted and view.status.lower() != wanted:
-                continue
+        node_ids = sorted(self.cluster.nodes.items)
+        beats = await self.usage.last_heartbeats(node_ids)  # one read for the whole listing
+        for node_id in node_ids:
+            view = self._view_of(node_id, beats.get(node_id))
+            if view is None or (wanted and view.status.lower() != wanted):
+                continue  # deleted while the heartbeat times were read, or filtered out
             resp.nodes.append(view)
         return resp
 
@@ -371,7 +384,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd: {exc}")
         if found is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"node {request.node_id!r} not found")
-        return control_pb2.GetNodeResponse(node=self._node_view(request.node_id.strip()))
+        return control_pb2.GetNodeResponse(node=await self._node_view(request.node_id.strip()))
 
     async def ListWorkloads(self, request: control_pb2.ListWorkloadsRequest,
                             context: grpc.aio.ServicerContext
