@@ -58,7 +58,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -380,6 +380,8 @@ class Relay:
         self._mark_mod = 0
         self._gaps: tuple[PendingGap, ...] = ()
         self._force_aside: str | None = None
+        #: the overflow gap of the current Redis outage (merged into; None: start a new one)
+        self._open_overflow: str | None = None
         #: the marker: commits the marks owed (below), one transaction batch at a time
         self._marking: asyncio.Task[None] | None = None
         #: appended but not yet marked: the records (in order), the mark after each, and the
@@ -492,7 +494,7 @@ class Relay:
                         await self._follow(lead, revision)
                 except BaseException as exc:
                     # whatever ended the loop, the mark in flight ends before it is read again
-                    await self._end_marking(cancel=isinstance(exc, asyncio.CancelledError))
+                    await self._end_marking(lead, cancel=isinstance(exc, asyncio.CancelledError))
                     raise
             except RedisUnavailable as exc:
                 log.warning("relay: Redis unavailable, outbox kept: %s", exc)
@@ -520,6 +522,8 @@ class Relay:
             top = await self._log.top()
         except StreamWrongType as exc:
             reason, top = str(exc), None
+        # Redis answers: owed gaps may be written from now on, so none is merged into
+        self._open_overflow = None
         if reason is None and top is not None and not top.is_ours:
             reason = f"foreign stream: top entry {top.stream_id} carries no eventId"
         mark = RelayMark.decode(await self._etcd.get(self._layout.relay_mark))
@@ -570,7 +574,7 @@ class Relay:
                 iterator = aiter(watch)
                 while True:
                     try:
-                        batch: WatchBatch = await anext(iterator)
+                        batch = await self._next_batch(iterator)
                     except Compacted:
                         self._metrics.watch_restarts.labels("compacted").inc()
                         return
@@ -579,6 +583,11 @@ class Relay:
                         self._metrics.watch_restarts.labels(reason).inc()
                         log.info("relay watch ended (%s), resuming from %d", exc, after + 1)
                         break
+                    if batch is None:  # the marker failed while the relay waited
+                        failed, self._marking = self._marking, None
+                        assert failed is not None
+                        failed.result()  # raises its failure: the relay loop re-prepares
+                        continue
                     # coalesce whatever else already arrived: one append and one etcd txn
                     # for many commits instead of one round trip per commit
                     batches = [batch, *watch.take_ready()]
@@ -590,6 +599,25 @@ class Relay:
             finally:
                 watch.close()
             await asyncio.sleep(self._retry_min)
+
+    async def _next_batch(self, iterator: AsyncIterator[WatchBatch]) -> WatchBatch | None:
+        """The next watch batch, or None when the marker fails first (its error is for the
+        caller to raise outside the watch's own error handling)."""
+        marker = self._marking
+        if marker is None or marker.done():
+            if marker is not None and marker.exception() is not None:
+                return None
+            return await anext(iterator)
+        nxt = asyncio.ensure_future(anext(iterator))
+        try:
+            await asyncio.wait({nxt, marker}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done() and marker.exception() is not None:
+                return None
+            return await nxt
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+                await asyncio.wait({nxt})
 
     async def _relay(
         self,
@@ -662,24 +690,39 @@ class Relay:
         finally:
             self._flush.clear()
 
-    async def _end_marking(self, *, cancel: bool) -> None:
-        """Finish (or, when the relay is being cancelled, cancel) the marking in flight.
+    async def _end_marking(self, lead: Leadership, *, cancel: bool) -> None:
+        """Leaving the relay loop: mark what is appended (or, when the relay is being
+        cancelled, cancel the marker), and always await the marker, so none outlives the loop.
 
-        Never raises: the caller is leaving the relay loop anyway, ``_prepare`` reads the mark
-        back from etcd, and the mark's compare-and-swap keeps a late write harmless.
+        Why mark first: what is appended is in the stream, and an overflow check that follows
+        (Redis failed) must not drop those records from the outbox as undelivered. Never
+        raises a store error: ``_prepare`` reads the mark back from etcd, and whatever stays
+        unmarked is re-appended and recognised.
         """
         task, self._marking = self._marking, None
-        # what is owed stays in the outbox: the next _prepare reads the mark back and the
-        # re-append of anything unmarked is recognised
-        self._owed_records, self._owed_marks, self._owed = [], [], None
-        self._marking_records = 0
-        if task is None:
-            return
-        if cancel:
-            task.cancel()
-        await asyncio.wait({task})
-        if not task.cancelled() and task.exception() is not None:
-            log.info("relay: the marking in flight did not finish: %r", task.exception())
+        try:
+            if cancel:
+                if task is not None:
+                    task.cancel()
+                    await asyncio.wait({task})
+                return
+            # what was appended is in the stream: mark it now (unpaced) if etcd lets us, so
+            # an overflow check that follows never takes it for undelivered
+            self._flush.set()
+            try:
+                if task is not None:
+                    await task  # a cancellation of ours reaches the marker too
+                if self._owed is not None:
+                    await self._mark_owed(lead)
+            except StoreError as exc:
+                log.info("relay: the marking in flight did not finish: %r", exc)
+            finally:
+                self._flush.clear()
+        finally:
+            # what is still owed stays in the outbox: the next _prepare reads the mark back
+            # and the re-append of anything unmarked is recognised
+            self._owed_records, self._owed_marks, self._owed = [], [], None
+            self._marking_records = 0
 
     async def _mark_owed(self, lead: Leadership) -> None:
         """Commit the owed marks until none is owed: whatever was appended while one
@@ -781,7 +824,8 @@ class Relay:
         for start in range(0, len(take), MAX_DELETES_PER_TXN):
             part = take[start : start + MAX_DELETES_PER_TXN]
             dropped += len(part)
-            gaps = _merge_overflow(gaps, part)
+            gaps = _merge_overflow(gaps, part, open_id=self._open_overflow)
+            self._open_overflow = gaps[-1].event_id
             await self._put_mark(lead, self._mark, gaps, [r.key for r in part])
         self._gaps = tuple(gaps)
         self._metrics.events_dropped.inc(dropped)
@@ -829,10 +873,11 @@ def _parse_all(kvs: Sequence[KeyValue]) -> tuple[list[OutboxRecord], list[str]]:
     return records, poison
 
 
-def _merge_overflow(gaps: list[PendingGap], dropped: Sequence[OutboxRecord]) -> list[PendingGap]:
+def _merge_overflow(gaps: list[PendingGap], dropped: Sequence[OutboxRecord], *,
+                    open_id: str | None) -> list[PendingGap]:
     """Add ``dropped`` to the owed overflow gap (still contiguous if still owed) or add one."""
     first, last = dropped[0].stream_id, dropped[-1].stream_id
-    if gaps and gaps[-1].cause == CAUSE_OVERFLOW:
+    if gaps and gaps[-1].cause == CAUSE_OVERFLOW and gaps[-1].event_id == open_id:
         owed = gaps[-1]
         merged = PendingGap(
             event_id=owed.event_id,
