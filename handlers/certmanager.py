@@ -4,10 +4,10 @@ With ``PERSYS_VAULT_ENABLED=true`` and TLS on, the certificate is issued at
 ``<PERSYS_VAULT_PKI_MOUNT>/issue/<PERSYS_VAULT_PKI_ROLE>`` with ``common_name`` =
 ``PERSYS_VAULT_SERVICE_NAME``, ``ttl`` = ``PERSYS_VAULT_CERT_TTL``, ``alt_names`` (the service
 name, and ``<service>.<PERSYS_VAULT_SERVICE_DOMAIN>`` when set) and ``ip_sans``
-(``SCHEDULER_ADVERTISE_IP`` when set, and 127.0.0.1), and written to ``PERSYS_TLS_CERT``,
-``PERSYS_TLS_KEY`` and ``PERSYS_TLS_CA``. Nothing else needs to know: the gRPC server reloads
-those files when they change (``handlers/tls.py``) and the agent pool opens new channels with
-them (``handlers/agents.py``).
+(``SCHEDULER_ADVERTISE_IP`` and ``PERSYS_EXTERNAL_IP`` when set, and 127.0.0.1), and written
+to ``PERSYS_TLS_CERT``, ``PERSYS_TLS_KEY`` and ``PERSYS_TLS_CA``. Nothing else needs to know:
+the gRPC server reloads those files when they change (``handlers/tls.py``) and the agent pool
+opens new channels with them (``handlers/agents.py``).
 
 * **When**: once before the server starts (retried every ``PERSYS_VAULT_RETRY_INTERVAL`` until
   it works; if usable files are already there the server starts with them and the retries go
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import tempfile
@@ -97,8 +98,13 @@ def load_cert_config(env: Mapping[str, str], *, cert_path: str, key_path: str, c
                      advertise_ip: str = "") -> CertConfig:
     """``CertConfig`` from ``PERSYS_VAULT_*`` (Go names and defaults).
 
+    The certificate's IP SANs are ``advertise_ip`` (``SCHEDULER_ADVERTISE_IP``),
+    ``PERSYS_EXTERNAL_IP`` (the address agents dial when the scheduler sits behind NAT or a
+    load balancer) and 127.0.0.1, each once.
+
     Raises:
-        ConfigError: naming the variable (a missing token or AppRole id, a bad duration).
+        ConfigError: naming the variable (a missing token or AppRole id, a bad duration, a
+            ``PERSYS_EXTERNAL_IP`` that is not an IP address).
     """
     def get(name: str, default: str = "") -> str:
         return env.get(name, "").strip() or default
@@ -129,8 +135,13 @@ def load_cert_config(env: Mapping[str, str], *, cert_path: str, key_path: str, c
         raise ConfigError(f"PERSYS_VAULT_CERT_TTL: {ttl:g}s is under the minimum of 1m")
     if retry < 1:
         raise ConfigError(f"PERSYS_VAULT_RETRY_INTERVAL: {retry:g}s is under the minimum of 1s")
-    ips = ("127.0.0.1",) if not advertise_ip or advertise_ip == "127.0.0.1" else (
-        advertise_ip, "127.0.0.1")
+    external = get("PERSYS_EXTERNAL_IP")
+    if external:
+        try:
+            external = str(ipaddress.ip_address(external))
+        except ValueError as exc:
+            raise ConfigError(f"PERSYS_EXTERNAL_IP: {external!r} is not an IP address") from exc
+    ips = tuple(dict.fromkeys(ip for ip in (advertise_ip, external, "127.0.0.1") if ip))
     vault = VaultConfig(addr=addr, token=token,
                         approle_mount=get("PERSYS_VAULT_APPROLE_MOUNT", DEFAULT_APPROLE_MOUNT),
                         role_id=role_id, secret_id=secret_id)

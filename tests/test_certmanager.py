@@ -7,7 +7,9 @@ client-and-server certificates, as vault-manager sets up for persys services.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import ssl
 import stat
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -110,6 +112,22 @@ def test_config_takes_the_go_names_and_defaults_and_names_a_bad_variable() -> No
             load_cert_config(env, **paths)
 
 
+
+def test_persys_external_ip_is_an_ip_san_once_and_a_bad_one_names_the_variable() -> None:
+    paths = {"cert_path": "/c", "key_path": "/k", "ca_path": "/a"}
+    env = {"PERSYS_VAULT_TOKEN": "t", "PERSYS_EXTERNAL_IP": " 203.0.113.7 "}
+    assert load_cert_config(env, advertise_ip="10.0.0.5", **paths).ip_sans == (
+        "10.0.0.5", "203.0.113.7", "127.0.0.1")
+    assert load_cert_config(env, **paths).ip_sans == ("203.0.113.7", "127.0.0.1")
+    same = {**env, "PERSYS_EXTERNAL_IP": "10.0.0.5"}
+    assert load_cert_config(same, advertise_ip="10.0.0.5", **paths).ip_sans == (
+        "10.0.0.5", "127.0.0.1")
+    v6 = {**env, "PERSYS_EXTERNAL_IP": "2001:DB8:0::7"}
+    assert load_cert_config(v6, **paths).ip_sans == ("2001:db8::7", "127.0.0.1")
+    for bad in ("scheduler.example.com", "203.0.113.300", "203.0.113.7:8085"):
+        with pytest.raises(ConfigError, match="PERSYS_EXTERNAL_IP"):
+            load_cert_config({**env, "PERSYS_EXTERNAL_IP": bad}, **paths)
+
 # -- against OpenBao ----------------------------------------------------------------------------
 
 @pytest.fixture
@@ -193,6 +211,37 @@ async def test_the_issued_files_are_a_working_mtls_set_and_the_key_is_private(
     finally:
         await server.stop(None)
 
+
+
+async def test_an_agent_dialing_persys_external_ip_accepts_the_issued_certificate(
+        openbao_server: OpenBaoProcess, pki_mount: str, vault: VaultKV, tmp_path: Path) -> None:
+    bao = openbao_server
+    env = {"PERSYS_VAULT_ADDR": bao.addr, "PERSYS_VAULT_TOKEN": bao.root_token,
+           "PERSYS_VAULT_PKI_MOUNT": pki_mount, "PERSYS_EXTERNAL_IP": "203.0.113.7"}
+    config = load_cert_config(env, cert_path=str(tmp_path / "s.crt"),
+                              key_path=str(tmp_path / "s.key"), ca_path=str(tmp_path / "ca.pem"),
+                              advertise_ip="10.0.0.5")
+    assert await CertManager(config, vault, Metrics()).ensure()
+
+    sans = ssl._ssl._test_decode_cert(config.cert_path)["subjectAltName"]  # type: ignore[attr-defined]
+    assert {("IP Address", "203.0.113.7"), ("IP Address", "10.0.0.5"),
+            ("IP Address", "127.0.0.1")} <= set(sans), sans
+    # what the agent does: dial the external address (here a loopback server standing in for
+    # it) and verify the scheduler's certificate against that IP
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(config.cert_path, config.key_path)
+    server = await asyncio.start_server(lambda _r, w: w.close(), "127.0.0.1", 0, ssl=served)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        agent = ssl.create_default_context(cafile=config.ca_path)
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=agent,
+                                                  server_hostname="203.0.113.7")
+        writer.close()
+        with contextlib.suppress(ssl.SSLError, ConnectionError):
+            await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
 
 async def test_forced_rotations_share_one_issue_and_are_rate_limited(
         openbao_server: OpenBaoProcess, pki_mount: str, vault: VaultKV, tmp_path: Path) -> None:
