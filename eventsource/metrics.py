@@ -2,11 +2,19 @@
 
 Names follow persys-facts section G where the Go version had them and STYLE.md 5.10 for the new
 ones (the benchmark reads these exact names). No per-node or per-workload labels.
+
+``nodes_status``, ``workloads_status`` and ``workloads_desired_state`` are kept from the
+projections' change feed on every replica (``projections/gauges.py``).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+#: the Go version's pre-seeded label values: always exported, 0 when nothing has them
+NODE_STATUSES = ("ready", "active", "notready", "unknown")
+WORKLOAD_STATUSES = ("pending", "running", "stopped", "failed", "deleted", "updating", "unknown")
+DESIRED_STATES = ("running", "stopped", "deleted", "unknown")
 
 
 class Metrics:
@@ -146,12 +154,22 @@ class Metrics:
             namespace=ns, subsystem=sub, registry=r,
         )
         self.nodes_status = Gauge(
-            "nodes_status", "nodes by status", ["status"], namespace=ns, subsystem=sub, registry=r,
-        )
-        self.workloads_status = Gauge(
-            "workloads_status", "workloads by status", ["status"],
+            "nodes_status", "nodes by status, lower-cased (Go name)", ["status"],
             namespace=ns, subsystem=sub, registry=r,
         )
+        self.workloads_status = Gauge(
+            "workloads_status", "workloads by status, lower-cased (Go name)", ["status"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.workloads_desired_state = Gauge(
+            "workloads_desired_state", "workloads by desired state, lower-cased (Go name)",
+            ["desired_state"], namespace=ns, subsystem=sub, registry=r,
+        )
+        for gauge, seeded in ((self.nodes_status, NODE_STATUSES),
+                              (self.workloads_status, WORKLOAD_STATUSES),
+                              (self.workloads_desired_state, DESIRED_STATES)):
+            for label in seeded:
+                gauge.labels(label).set(0)
         self.state_store_writes = Counter(
             "state_store_writes", "state writes by category (Go name)", ["category"],
             namespace=ns, subsystem=sub, registry=r,

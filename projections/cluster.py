@@ -23,9 +23,10 @@ from typing import Any
 from eventsource.errors import Compacted, StoreError, Unavailable, WatchCanceled
 from eventsource.etcd import AsyncEtcd
 from eventsource.keys import KeyLayout
-from eventsource.metrics import Metrics
+from eventsource.metrics import DESIRED_STATES, NODE_STATUSES, WORKLOAD_STATUSES, Metrics
 from eventsource.records import Allocation, Node, WorkloadSpec, WorkloadStatus, decode
 from eventsource.watch import WatchBatch, WatchEvent, WatchStream
+from projections.gauges import LabelGauge
 from projections.prefix import Item, PrefixProjection
 
 log = logging.getLogger("persys.projection")
@@ -228,6 +229,14 @@ class ClusterProjection:
         self.workloads = WorkloadIndex()
         self.statuses.listeners.append(self.workloads)
         self.specs.listeners.append(SpecChanges(self.workloads))
+        # the Go state gauges, on every replica (projections/gauges.py)
+        self.nodes.listeners.append(LabelGauge(
+            metrics.nodes_status, lambda node: node.status, seeded=NODE_STATUSES))
+        self.statuses.listeners.append(LabelGauge(
+            metrics.workloads_status, lambda status: status.status, seeded=WORKLOAD_STATUSES))
+        self.specs.listeners.append(LabelGauge(
+            metrics.workloads_desired_state, lambda spec: spec.desired_state,
+            seeded=DESIRED_STATES))
 
     @property
     def projections(self) -> list[PrefixProjection[object]]:

@@ -1,0 +1,101 @@
+"""The Go version's metric families (persys-facts section G), against real etcd and Redis.
+
+``nodes_status``, ``workloads_status`` and ``workloads_desired_state`` are kept from the
+projections (``projections/gauges.py``), on every replica; the reconcile and state-store
+families are filled where cycles end and keys are written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from eventsource.etcd import AsyncEtcd, Delete, Put
+from eventsource.keys import KeyLayout
+from eventsource.metrics import Metrics
+from eventsource.records import Node, WorkloadSpec, WorkloadStatus, encode
+from projections.cluster import ClusterProjection
+
+
+def _gauges(metrics: Metrics) -> dict[tuple[str, str], float]:
+    """Every exported sample of the three state gauges, by (family, label value)."""
+    out: dict[tuple[str, str], float] = {}
+    for gauge in (metrics.nodes_status, metrics.workloads_status,
+                  metrics.workloads_desired_state):
+        for family in gauge.collect():
+            for sample in family.samples:
+                out[(family.name.removeprefix("persys_scheduler_"),
+                     next(iter(sample.labels.values())))] = sample.value
+    return out
+
+
+def _expected(nodes: dict[str, float], statuses: dict[str, float],
+              desired: dict[str, float]) -> dict[tuple[str, str], float]:
+    """The Go pre-seeded labels at 0, plus the given counts."""
+    out: dict[tuple[str, str], float] = {}
+    for family, seeded, counts in (
+            ("nodes_status", ("ready", "active", "notready", "unknown"), nodes),
+            ("workloads_status", ("pending", "running", "stopped", "failed", "deleted",
+                                  "updating", "unknown"), statuses),
+            ("workloads_desired_state", ("running", "stopped", "deleted", "unknown"), desired)):
+        out.update({(family, label): 0.0 for label in seeded})
+        out.update({(family, label): value for label, value in counts.items()})
+    return out
+
+
+async def _put_workload(etcd: AsyncEtcd, layout: KeyLayout, workload_id: str, *,
+                        status: str, desired: str) -> None:
+    await etcd.txn([], [
+        Put(layout.spec(workload_id), encode(WorkloadSpec(id=workload_id, type="container",
+                                                          desired_state=desired))),
+        Put(layout.status(workload_id), encode(WorkloadStatus(id=workload_id, status=status)))])
+
+
+async def test_state_gauges_count_the_projections_by_go_label_through_changes_and_relists(
+        etcd_server, key_root):
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    layout = KeyLayout(key_root)
+    metrics = Metrics()
+    # before anything is listed: Go's pre-seeded labels, at 0
+    assert _gauges(metrics) == _expected({}, {}, {})
+    cluster = ClusterProjection(etcd, layout, metrics)
+    for node_id, status in (("n1", "Ready"), ("n2", "NotReady"), ("n3", " Draining "),
+                            ("n4", "")):
+        await etcd.txn([], [Put(layout.node(node_id), encode(Node(node_id=node_id,
+                                                                  status=status)))])
+    await _put_workload(etcd, layout, "w1", status="Running", desired="Running")
+    await _put_workload(etcd, layout, "w2", status="RetryPending", desired="Stopped")
+    await _put_workload(etcd, layout, "w3", status="", desired="")
+    task = asyncio.create_task(cluster.run())
+    try:
+        await cluster.wait_ready(timeout=10)
+        assert _gauges(metrics) == _expected(
+            {"ready": 1, "notready": 1, "draining": 1, "unknown": 1},
+            {"running": 1, "retrypending": 1, "unknown": 1},
+            {"running": 1, "stopped": 1, "unknown": 1})
+
+        # watched changes: a label nothing has any more leaves (unless Go pre-seeded it)
+        await etcd.txn([], [Put(layout.node("n3"), encode(Node(node_id="n3", status="Ready"))),
+                            Delete(layout.node("n2"))])
+        await _put_workload(etcd, layout, "w2", status="Running", desired="Running")
+        await etcd.txn([], [Delete(layout.spec("w3")), Delete(layout.status("w3"))])
+        await _put_workload(etcd, layout, "w4", status="Pending", desired="Deleted")
+        revision = await etcd.current_revision()
+        await cluster.wait_for(revision, timeout=10)
+        assert _gauges(metrics) == _expected(
+            {"ready": 2, "unknown": 1}, {"running": 2, "pending": 1},
+            {"running": 2, "deleted": 1})
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    # a re-list (after compaction, say) recounts from what it lists
+    await etcd.txn([], [Put(layout.node("n5"), encode(Node(node_id="n5", status="Cordoned"))),
+                        Delete(layout.node("n1"))])
+    await _put_workload(etcd, layout, "w1", status="Failed", desired="Stopped")
+    await cluster.relist()
+    assert _gauges(metrics) == _expected(
+        {"ready": 1, "unknown": 1, "cordoned": 1}, {"running": 1, "pending": 1, "failed": 1},
+        {"running": 1, "deleted": 1, "stopped": 1})
+    etcd.close()
