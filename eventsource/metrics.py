@@ -3,8 +3,11 @@
 Names follow persys-facts section G where the Go version had them and STYLE.md 5.10 for the new
 ones (the benchmark reads these exact names). No per-node or per-workload labels.
 
-``nodes_status``, ``workloads_status`` and ``workloads_desired_state`` are kept from the
-projections' change feed on every replica (``projections/gauges.py``).
+The Go families and where they are filled: ``grpc_server_*`` (``handlers/grpcmetrics.py``),
+``agent_rpc_*`` (``handlers/agents.py``), ``reconciliation_results_total`` and
+``reconciliation_cycle*`` (the reconcile loop, through ``observe_reconcile_cycle``),
+``nodes_status``, ``workloads_status`` and ``workloads_desired_state`` (kept from the
+projections' change feed on every replica: ``projections/gauges.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 NODE_STATUSES = ("ready", "active", "notready", "unknown")
 WORKLOAD_STATUSES = ("pending", "running", "stopped", "failed", "deleted", "updating", "unknown")
 DESIRED_STATES = ("running", "stopped", "deleted", "unknown")
+#: prometheus client_golang's DefBuckets, which the Go histograms used
+GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class Metrics:
@@ -85,6 +90,17 @@ class Metrics:
             "agents' ListWorkloads), plan (unreachable nodes marked, drift classified, the "
             "decisions), act (agent calls and writes)",
             ["phase"], namespace=ns, subsystem=sub, registry=r,
+        )
+        self.reconciliation_cycles = Counter(
+            "reconciliation_cycles", "reconcile cycles by result: error when the cycle itself "
+            "failed or was cut short, not when one of its actions failed (Go name)", ["result"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        for result in ("success", "error"):
+            self.reconciliation_cycles.labels(result)
+        self.reconciliation_cycle_duration = Histogram(
+            "reconciliation_cycle_duration_seconds", "reconcile cycle duration (Go name)",
+            namespace=ns, subsystem=sub, registry=r, buckets=GO_DEFAULT_BUCKETS,
         )
         self.reconciliation_results = Counter(
             "reconciliation_results", "reconcile actions (Go name)", ["action", "success"],
@@ -174,3 +190,10 @@ class Metrics:
             "state_store_writes", "state writes by category (Go name)", ["category"],
             namespace=ns, subsystem=sub, registry=r,
         )
+
+    def observe_reconcile_cycle(self, seconds: float, *, ok: bool) -> None:
+        """One reconcile cycle ended: the project's families and the Go ones."""
+        self.reconcile_cycles.inc()
+        self.reconcile_cycle_seconds.observe(seconds)
+        self.reconciliation_cycles.labels("success" if ok else "error").inc()
+        self.reconciliation_cycle_duration.observe(seconds)

@@ -458,12 +458,13 @@ class ReconcileLoop(_Shell):
             started = time.perf_counter()
             report = CycleReport(drift=self._drift_due)
             self._drift_due = False
+            ok = False
             try:
                 await self._cycle(report, now or self.clock.now())
+                ok = True
             finally:
                 report.duration_s = time.perf_counter() - started
-                self.metrics.reconcile_cycles.inc()
-                self.metrics.reconcile_cycle_seconds.observe(report.duration_s)
+                self.metrics.observe_reconcile_cycle(report.duration_s, ok=ok)
                 self.last_report = report
             if report.unreachable or report.failed or report.drifts:
                 log.info("reconcile cycle nodes=%d rpcs=%s actions=%s failed=%s drifts=%d "

@@ -964,6 +964,39 @@ async def test_two_cycles_never_run_at_once(etcd_server, redis_server, key_root,
         assert s.fleet.counters.rpcs["ListWorkloads"] == lists + 3
 
 
+async def test_cycles_are_counted_by_result_under_the_go_names(
+        etcd_server, redis_server, key_root, stream_key):
+    """reconciliation_cycles_total{result} and reconciliation_cycle_duration_seconds (Go): a
+    cycle that ends is a success, one cut short (leadership lost, the bound) an error."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 2, behaviour=NodeBehaviour(apply_latency_s=0.05,
+                                                          slow_answer_s=0.3)) as s:
+        reconcile, metrics = s.loops.reconcile, s.sched.metrics
+        registry = metrics.registry
+
+        def cycles() -> tuple[dict[str, float], float, float]:
+            return (by_label(metrics.reconciliation_cycles, "result"),
+                    registry.get_sample_value(
+                        "persys_scheduler_reconciliation_cycle_duration_seconds_count") or 0.0,
+                    counter_total(metrics.reconcile_cycles))
+
+        before, durations, own = cycles()
+        assert not (await reconcile.run_once()).skipped
+        after = cycles()
+        assert after[0] == {**before, "success": before["success"] + 1}
+        assert after[1:] == (durations + 1, own + 1)
+
+        lists = s.fleet.counters.rpcs["ListWorkloads"]
+        cut = asyncio.create_task(reconcile.run_once())
+        await wait_for(lambda: s.fleet.counters.rpcs["ListWorkloads"] > lists, timeout=10)
+        cut.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
+        last = cycles()
+        assert last[0] == {**after[0], "error": after[0]["error"] + 1}
+        assert last[1:] == (durations + 2, own + 2)
+
+
 # -- modes ---------------------------------------------------------------------------------------
 
 @pytest.mark.fault
