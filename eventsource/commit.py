@@ -22,7 +22,7 @@ from eventsource.etcd import MAX_TXN_OPS, AsyncEtcd, Compare, Delete, Put
 from eventsource.events import Event
 from eventsource.group import GroupCommit, Pending
 from eventsource.keys import KeyLayout
-from eventsource.metrics import Metrics
+from eventsource.metrics import STATE_STORE_CATEGORIES, Metrics
 
 
 @dataclass(slots=True)
@@ -85,6 +85,7 @@ class Committer:
             compares.extend(self._fence())
         events = change.events if self.outbox_enabled else []
         if not (change.puts or change.deletes or events):
+            self._count_unrecorded(change)
             return Committed(revision=0)
         ops = len(change.puts) + len(change.deletes) + len(events)
         if ops > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
@@ -100,11 +101,21 @@ class Committer:
         self.metrics.etcd_txns.labels(change.kind, "committed").inc()
         for put in change.puts:
             self.metrics.etcd_writes.labels(put.category).inc()
+            if put.category in STATE_STORE_CATEGORIES:
+                self.metrics.state_store_writes.labels(put.category).inc()
         for delete in change.deletes:
             self.metrics.etcd_writes.labels(delete.category).inc()
         if events:
             self.metrics.etcd_writes.labels("outbox").inc(len(events))
+        else:
+            self._count_unrecorded(change)
         return Committed(revision=revision)
+
+    def _count_unrecorded(self, change: Change) -> None:
+        """Without Redis there is no outbox: a change's events are recorded nowhere, which the
+        Go version (whose events went to Redis only) counted as dropped."""
+        if change.events and not self.outbox_enabled:
+            self.metrics.state_store_writes.labels("event_dropped").inc(len(change.events))
 
     async def aclose(self) -> None:
         """Fail what is still queued and stop the transactions in flight."""

@@ -7,7 +7,9 @@ The Go families and where they are filled: ``grpc_server_*`` (``handlers/grpcmet
 ``agent_rpc_*`` (``handlers/agents.py``), ``reconciliation_results_total`` and
 ``reconciliation_cycle*`` (the reconcile loop, through ``observe_reconcile_cycle``),
 ``nodes_status``, ``workloads_status`` and ``workloads_desired_state`` (kept from the
-projections' change feed on every replica: ``projections/gauges.py``).
+projections' change feed on every replica: ``projections/gauges.py``) and
+``state_store_writes_total`` (spec, status and assignment puts, and events the outbox could not
+take, in ``eventsource/commit.py``; events appended or dropped in the relay).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 NODE_STATUSES = ("ready", "active", "notready", "unknown")
 WORKLOAD_STATUSES = ("pending", "running", "stopped", "failed", "deleted", "updating", "unknown")
 DESIRED_STATES = ("running", "stopped", "deleted", "unknown")
+#: the ``state_store_writes_total`` categories of keys the committer puts (Go counted each save
+#: of a spec, status or assignment; deletes were not counted)
+STATE_STORE_CATEGORIES = frozenset({"spec", "status", "assignment"})
 #: prometheus client_golang's DefBuckets, which the Go histograms used
 GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -187,8 +192,10 @@ class Metrics:
             for label in seeded:
                 gauge.labels(label).set(0)
         self.state_store_writes = Counter(
-            "state_store_writes", "state writes by category (Go name)", ["category"],
-            namespace=ns, subsystem=sub, registry=r,
+            "state_store_writes", "state writes by category: spec, status, assignment (keys "
+            "put), event (events appended to the stream), event_dropped (events lost: outbox "
+            "overflow, or no Redis configured) (Go name)",
+            ["category"], namespace=ns, subsystem=sub, registry=r,
         )
 
     def observe_reconcile_cycle(self, seconds: float, *, ok: bool) -> None:

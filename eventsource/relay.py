@@ -658,6 +658,7 @@ class Relay:
         self._gaps = plan.gaps_left
         if chunk:
             self._metrics.events_relayed.inc(len(chunk))
+            self._metrics.state_store_writes.labels("event").inc(len(chunk))
         if plan.gap_ids:
             log.warning("relay: wrote EventsGap %s", ", ".join(plan.gap_ids))
         if self._after_append is not None:
@@ -829,6 +830,7 @@ class Relay:
             await self._put_mark(lead, self._mark, gaps, [r.key for r in part])
         self._gaps = tuple(gaps)
         self._metrics.events_dropped.inc(dropped)
+        self._metrics.state_store_writes.labels("event_dropped").inc(dropped)
         log.error(
             "relay: outbox over %d records while Redis is unreachable: dropped the %d oldest "
             "(%s .. %s); an EventsGap will mark the place",
@@ -844,6 +846,7 @@ class Relay:
             part = keys[start : start + MAX_DELETES_PER_TXN]
             await self._put_mark(lead, self._mark, self._gaps, part)
             self._metrics.events_dropped.inc(len(part))
+            self._metrics.state_store_writes.labels("event_dropped").inc(len(part))
 
     # -- retention ------------------------------------------------------------------------------
     async def _trim_loop(self) -> None:

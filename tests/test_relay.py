@@ -486,6 +486,11 @@ async def test_outbox_overflow_drops_the_oldest_and_writes_one_gap(
     assert gaps[0].details == {"from": expected[0], "to": expected[29], "dropped": "30"}
     assert [e.stream_id for e in real] == expected[30:]
     assert sample(metrics, "events_dropped") == len(expected) - len(real)
+    # the Go names: events appended and events lost
+    writes = {c: metrics.registry.get_sample_value(
+        "persys_scheduler_state_store_writes_total", {"category": c})
+        for c in ("event", "event_dropped")}
+    assert writes == {"event": len(real), "event_dropped": 30}
     assert_chain(entries)
     mark = await mark_of(etcd, layout)
     assert mark.last_id == expected[-1]

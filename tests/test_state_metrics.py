@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from eventsource.commit import Change, Committer
 from eventsource.etcd import AsyncEtcd, Delete, Put
+from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, WorkloadSpec, WorkloadStatus, encode
@@ -99,3 +101,43 @@ async def test_state_gauges_count_the_projections_by_go_label_through_changes_an
         {"ready": 1, "unknown": 1, "cordoned": 1}, {"running": 1, "pending": 1, "failed": 1},
         {"running": 1, "deleted": 1, "stopped": 1})
     etcd.close()
+
+
+def _state_writes(metrics: Metrics) -> dict[str, float]:
+    return {sample.labels["category"]: sample.value
+            for family in metrics.state_store_writes.collect() for sample in family.samples
+            if sample.name.endswith("_total")}
+
+
+async def test_state_store_writes_count_the_go_categories_of_committed_puts(
+        etcd_server, key_root):
+    """spec, status and assignment puts, once each when committed (Go counted saves, not
+    deletes); events without an outbox (no Redis) are event_dropped, as Go counted them."""
+    etcd = AsyncEtcd([etcd_server.endpoint])
+    layout = KeyLayout(key_root)
+    metrics = Metrics()
+    with_outbox = Committer(etcd, layout, metrics, outbox_enabled=True)
+    without = Committer(etcd, layout, metrics, outbox_enabled=False)
+    placed = Event(type="WorkloadScheduled", workload_id="w1", node_id="n1")
+    try:
+        await with_outbox.commit(Change(kind="test", puts=[
+            Put(layout.spec("w1"), b"{}", category="spec"),
+            Put(layout.status("w1"), b"{}", category="status"),
+            Put(layout.assignment("w1"), b"{}", category="assignment"),
+            Put(layout.allocation("n1"), b"{}", category="allocation"),
+            Put(layout.node("n1"), b"{}", category="node")], events=[placed]))
+        assert _state_writes(metrics) == {"spec": 1, "status": 1, "assignment": 1}
+        await with_outbox.commit(Change(kind="test", puts=[
+            Put(layout.status("w1"), b"{}", category="status")], deletes=[
+            Delete(layout.spec("w1"), category="spec")]))
+        assert _state_writes(metrics) == {"spec": 1, "status": 2, "assignment": 1}
+        # no Redis: the events of a change are recorded nowhere, with or without puts
+        await without.commit(Change(kind="test", puts=[
+            Put(layout.status("w1"), b"{}", category="status")], events=[placed, placed]))
+        await without.commit(Change(kind="test", events=[placed]))
+        assert _state_writes(metrics) == {"spec": 1, "status": 3, "assignment": 1,
+                                          "event_dropped": 3}
+    finally:
+        await with_outbox.aclose()
+        await without.aclose()
+        etcd.close()
