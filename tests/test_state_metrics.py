@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import urllib.request
 
 from eventsource.commit import Change, Committer
 from eventsource.etcd import AsyncEtcd, Delete, Put
@@ -17,6 +18,15 @@ from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, WorkloadSpec, WorkloadStatus, encode
 from projections.cluster import ClusterProjection
+from proto.persys.control.v1 import control_pb2 as pb
+from tests.fixtures.harness import (
+    container_spec,
+    control_stub,
+    make_settings,
+    running_fleet,
+    running_scheduler,
+)
+from tests.fixtures.waiting import wait_for
 
 
 def _gauges(metrics: Metrics) -> dict[tuple[str, str], float]:
@@ -141,3 +151,60 @@ async def test_state_store_writes_count_the_go_categories_of_committed_puts(
         await with_outbox.aclose()
         await without.aclose()
         etcd.close()
+
+
+async def _scrape(port: int) -> str:
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            return str(answer.read().decode())
+
+    return await asyncio.to_thread(get)
+
+
+GO_STATE_SAMPLES = ('persys_scheduler_workloads_desired_state{desired_state="running"} 1.0',
+                    'persys_scheduler_nodes_status{status="ready"} 1.0',
+                    'persys_scheduler_nodes_status{status="notready"} 0.0',
+                    'persys_scheduler_workloads_status{status="running"} 1.0',
+                    'persys_scheduler_workloads_status{status="pending"} 0.0')
+
+
+async def test_go_metric_families_are_exported_by_the_leader_and_the_gauges_by_a_standby(
+        etcd_server, redis_server, key_root, stream_key):
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             reconcile_interval_s=0.2, instance_id="replica-a")
+    async with running_scheduler(settings) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: sched.leader.is_leader, timeout=15, message="leadership")
+            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="w-m", spec=container_spec()))).success
+
+            def running() -> bool:
+                item = sched.cluster.statuses.get("w-m")
+                return item is not None and item.value.status == "Running"
+
+            await wait_for(running, timeout=10, message="w-m Running")
+            cycles = sched.metrics.reconcile_cycles._value.get()
+            await wait_for(lambda: sched.metrics.reconcile_cycles._value.get() >= cycles + 2,
+                           timeout=10, message="two more reconcile cycles")
+            await wait_for(lambda: sched.metrics.events_relayed._value.get() > 0, timeout=10,
+                           message="an event relayed")
+            text = await _scrape(sched.http.port)
+            missing = [n for n in (
+                'persys_scheduler_reconciliation_cycles_total{result="success"}',
+                "persys_scheduler_reconciliation_cycle_duration_seconds_count",
+                'persys_scheduler_state_store_writes_total{category="spec"}',
+                'persys_scheduler_state_store_writes_total{category="status"}',
+                'persys_scheduler_state_store_writes_total{category="assignment"}',
+                'persys_scheduler_state_store_writes_total{category="event"}',
+                *GO_STATE_SAMPLES) if n not in text]
+            assert not missing, missing
+
+            # a standby runs no cycle, yet its gauges say what the leader's say
+            async with running_scheduler(settings.with_overrides(instance_id="replica-b")
+                                         ) as standby:
+                assert not standby.leader.is_leader
+                text = await _scrape(standby.http.port)
+                missing = [n for n in GO_STATE_SAMPLES if n not in text]
+                assert not missing, missing
