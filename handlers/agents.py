@@ -26,6 +26,7 @@ import grpc
 
 from eventsource.errors import NotLeader
 from eventsource.metrics import Metrics
+from handlers.grpcmetrics import go_code
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("persys.agents")
@@ -166,9 +167,10 @@ class AgentPool:
         children = self._recorders.get(key)
         if children is None:
             m = self.metrics
+            go_key = (method, go_code(code))  # the Go families: grpc-go's code names
             children = self._recorders[key] = (m.agent_rpcs.labels(*key),
-                                               m.agent_rpc_requests.labels(*key),
-                                               m.agent_rpc_duration.labels(*key))
+                                               m.agent_rpc_requests.labels(*go_key),
+                                               m.agent_rpc_duration.labels(*go_key))
         children[0].inc()
         children[1].inc()
         children[2].observe(seconds)

@@ -3,8 +3,10 @@
 Why an interceptor: every service of the server (AgentControl, health, reflection) is counted
 the way the Go version's stats handler counted it, with the full method name and the status
 code, without each handler having to remember. Streams are counted once, when they end (as in
-the Go version), so a WatchEvents call shows up with its whole duration. Codes are
-``grpc.StatusCode`` names (``OK``, ``NOT_FOUND``), as in ``agent_rpc_requests_total``.
+the Go version), so a WatchEvents call shows up with its whole duration. Codes are what the Go
+version's labels held, grpc-go's ``codes.Code.String()`` (``OK``, ``NotFound``, ``Canceled``:
+``go_code``), as in ``agent_rpc_requests_total``: a Go dashboard's ``code="Unavailable"``
+matches.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import grpc
@@ -20,18 +23,35 @@ from prometheus_client import Counter, Histogram
 
 from handlers.grpcwrap import WrapCache, rewrap
 
+_S = grpc.StatusCode
+#: grpc-go's names of the status codes (``codes.Code.String()``)
+GO_CODE_NAMES: Mapping[grpc.StatusCode, str] = MappingProxyType({
+    _S.OK: "OK", _S.CANCELLED: "Canceled", _S.UNKNOWN: "Unknown",
+    _S.INVALID_ARGUMENT: "InvalidArgument", _S.DEADLINE_EXCEEDED: "DeadlineExceeded",
+    _S.NOT_FOUND: "NotFound", _S.ALREADY_EXISTS: "AlreadyExists",
+    _S.PERMISSION_DENIED: "PermissionDenied", _S.RESOURCE_EXHAUSTED: "ResourceExhausted",
+    _S.FAILED_PRECONDITION: "FailedPrecondition", _S.ABORTED: "Aborted",
+    _S.OUT_OF_RANGE: "OutOfRange", _S.UNIMPLEMENTED: "Unimplemented", _S.INTERNAL: "Internal",
+    _S.UNAVAILABLE: "Unavailable", _S.DATA_LOSS: "DataLoss",
+    _S.UNAUTHENTICATED: "Unauthenticated",
+})
+
+
+def go_code(code: grpc.StatusCode) -> str:
+    """``code`` as the Go version's metrics labelled it."""
+    return GO_CODE_NAMES[code]
+
 
 def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
     """The status the call ended with: set by the handler (abort or set_code), else implied."""
     if error is None or isinstance(error, grpc.aio.AbortError):
         code = context.code()
         if isinstance(code, grpc.StatusCode):
-            name: str = code.name
-            return name
-        return "OK" if error is None else "UNKNOWN"
+            return go_code(code)
+        return go_code(_S.OK if error is None else _S.UNKNOWN)
     if isinstance(error, asyncio.CancelledError):
-        return "CANCELLED"
-    return "UNKNOWN"
+        return go_code(_S.CANCELLED)
+    return go_code(_S.UNKNOWN)
 
 
 class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]

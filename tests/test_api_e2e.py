@@ -228,10 +228,11 @@ async def test_every_rpc_is_counted_with_its_method_and_code(etcd_server, key_ro
                 "persys_scheduler_grpc_server_requests_total",
                 {"method": f"/persys.control.v1.AgentControl/{method}", "code": code}) or 0.0
 
-        await wait_for(lambda: count("WatchEvents", "FAILED_PRECONDITION") == 1,
+        # codes as the Go version labelled them (grpc-go's names)
+        await wait_for(lambda: count("WatchEvents", "FailedPrecondition") == 1,
                        message="the ended stream was not counted")
         assert count("ListNodes", "OK") == 2
-        assert count("ListEvents", "FAILED_PRECONDITION") == 1
+        assert count("ListEvents", "FailedPrecondition") == 1
         assert registry.get_sample_value(
             "persys_scheduler_grpc_server_request_duration_seconds_count",
             {"method": "/persys.control.v1.AgentControl/ListNodes", "code": "OK"}) == 2
