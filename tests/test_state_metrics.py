@@ -26,6 +26,7 @@ from tests.fixtures.harness import (
     running_fleet,
     running_scheduler,
 )
+from tests.fixtures.metrics import counter_total
 from tests.fixtures.waiting import wait_for
 
 
@@ -185,10 +186,10 @@ async def test_go_metric_families_are_exported_by_the_leader_and_the_gauges_by_a
                 return item is not None and item.value.status == "Running"
 
             await wait_for(running, timeout=10, message="w-m Running")
-            cycles = sched.metrics.reconcile_cycles._value.get()
-            await wait_for(lambda: sched.metrics.reconcile_cycles._value.get() >= cycles + 2,
+            cycles = counter_total(sched.metrics.reconcile_cycles)
+            await wait_for(lambda: counter_total(sched.metrics.reconcile_cycles) >= cycles + 2,
                            timeout=10, message="two more reconcile cycles")
-            await wait_for(lambda: sched.metrics.events_relayed._value.get() > 0, timeout=10,
+            await wait_for(lambda: counter_total(sched.metrics.events_relayed) > 0, timeout=10,
                            message="an event relayed")
             text = await _scrape(sched.http.port)
             missing = [n for n in (
