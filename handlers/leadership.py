@@ -190,10 +190,24 @@ class LeaderGate:
         jobs.start()
         self._jobs = jobs
 
-    def _stop_jobs(self) -> None:
-        if self._jobs is not None:
-            self._jobs.shutdown(wait=False)
-            self._jobs = None
+    async def _end_jobs(self) -> None:
+        """Stop the leader loops: no new run, the cycles in flight cancelled and ended, then
+        the job scheduler shut down.
+
+        Why this order: APScheduler's shutdown cancels a job coroutine still running, and logs
+        that cancellation as a failed job (an ERROR with a traceback) at every step-down, loss
+        or stop that meets a cycle in flight. Once its cycle is cancelled, ``run_once`` returns
+        normally."""
+        jobs, self._jobs = self._jobs, None
+        if jobs is not None:
+            jobs.pause()
+        await self._cancel_group()
+        for _ in range(100):  # each run_once returns within a loop iteration or two
+            if not self._running:
+                break
+            await asyncio.sleep(0)
+        if jobs is not None:
+            jobs.shutdown(wait=False)
 
     # -- the campaign loop ------------------------------------------------------------------
     async def run(self) -> None:
@@ -259,8 +273,7 @@ class LeaderGate:
                     leadership.term,
                     reason or session.lost_reason or "renew deadline passed")
         # stop every leader-only task before anything else, resigning included
-        self._stop_jobs()
-        await self._cancel_group()
+        await self._end_jobs()
         try:
             async with asyncio.timeout(2.0):
                 await election.resign()
@@ -304,8 +317,7 @@ class LeaderGate:
         lead = self.leadership
         if lead is None or not self.renew_ok():
             return
-        self._stop_jobs()
-        await self._cancel_group()
+        await self._end_jobs()
         try:
             async with asyncio.timeout(2.0):
                 await self._record_loss(lead, reason="leader stepped down")
@@ -358,8 +370,7 @@ class LeaderGate:
     async def _demote(self) -> None:
         """Stop all leader-only work, then drop the role (called on every exit path)."""
         lead = self.leadership
-        self._stop_jobs()
-        await self._cancel_group()
+        await self._end_jobs()
         if lead is None:
             return
         self.leadership = None

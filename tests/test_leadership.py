@@ -5,12 +5,15 @@
   never shares the role with it;
 * a wall clock stepped back does not silence the leader loops (APScheduler times by it);
 * a cluster whose state was lost starts in recovery before anything can write;
-* an etcd that refuses writes (an alarm raised) puts the replica in degraded mode.
+* an etcd that refuses writes (an alarm raised) puts the replica in degraded mode;
+* a loss or a stop that meets a leader-loop cycle in flight ends it quietly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as real_datetime
+import logging
 
 import apscheduler.executors.base as apscheduler_executors
 import apscheduler.schedulers.base as apscheduler_base
@@ -21,6 +24,7 @@ import handlers.leadership as leadership_module
 from eventsource.election import Session
 from eventsource.etcd import AsyncEtcd, Delete, Put
 from eventsource.keys import KeyLayout
+from handlers.leadership import Loop
 from handlers.modes import DEGRADED, NORMAL, RECOVERY, Probe, decide_mode
 from tests.fixtures.harness import make_settings, running_scheduler
 from tests.fixtures.metrics import counter_total
@@ -139,3 +143,38 @@ async def test_an_etcd_that_refuses_writes_puts_the_replica_in_degraded_mode(
 ])
 def test_mode_table(probe: Probe, mode: str) -> None:
     assert decide_mode(probe)[0] == mode
+
+
+async def test_a_cycle_in_flight_at_a_loss_or_a_stop_ends_without_an_error(
+        etcd_server, redis_server, key_root, stream_key, caplog) -> None:
+    """APScheduler logs a job it cancels at shutdown as failed (ERROR, traceback): the
+    loops' own cycles must be ended first, at a loss as at a stop."""
+    caplog.set_level(logging.INFO)
+    started: list[int] = []
+    ended: list[int] = []
+
+    async def blocker() -> None:
+        started.append(1)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append(1)
+
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             leader_lease_ttl_s=10, leader_renew_deadline_s=7.0)
+    async with running_scheduler(settings) as sched:
+        await wait_for(lambda: sched.leader.is_leader, timeout=15, message="no leader")
+        sched.leader.loops.append(Loop("blocker", 3600.0, blocker))
+        lead = sched.leader.leadership
+        assert lead is not None
+        await sched.etcd.txn([], [Delete(lead.key)])  # a loss, then leadership again
+        await wait_for(lambda: started, timeout=20, message="the loop never ran")
+        lead = sched.leader.leadership
+        assert lead is not None
+        await sched.etcd.txn([], [Delete(lead.key)])  # a loss with the cycle in flight
+        await wait_for(lambda: ended and len(started) == 2, timeout=20,
+                       message="the cycle was not ended at the loss, or no new leadership")
+    # ... and the stop met the second one
+    assert len(ended) == len(started) == 2
+    failed = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not failed, [r.getMessage() for r in failed]
