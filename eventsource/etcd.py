@@ -223,8 +223,25 @@ class _TryElsewhere(Exception):
     """This endpoint cannot serve now; the next one may."""
 
     def __init__(self, reason: object) -> None:
-        super().__init__(str(reason))
-        self.reason = reason
+        super().__init__(describe_failure(reason))
+        self.reason = describe_failure(reason)
+
+
+def describe_failure(reason: object) -> str:
+    """A failure as an operator can read it: etcd3gw's connection errors have an empty
+    ``str()``, so the exception's type and the chain of causes under it are spelled out
+    (``ConnectionFailedError <- ConnectionError: ... Connection refused``)."""
+    if not isinstance(reason, BaseException):
+        return str(reason)
+    parts: list[str] = []
+    seen: set[int] = set()
+    exc: BaseException | None = reason
+    while exc is not None and id(exc) not in seen and len(parts) < 4:
+        seen.add(id(exc))
+        text = str(exc).strip()
+        parts.append(f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__)
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(parts)
 
 
 def _stream_answers(path: str, body: bytes

@@ -113,3 +113,16 @@ async def test_a_key_that_is_not_utf8_does_not_stop_the_projections(etcd_server,
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         etcd.close()
+
+
+async def test_an_unreachable_etcd_is_reported_with_its_cause() -> None:
+    """etcd3gw's connection errors print as empty strings: the operator must still read why."""
+    etcd = AsyncEtcd(["127.0.0.1:1"], timeout=2.0)
+    try:
+        with pytest.raises(Unavailable) as info:
+            await etcd.get("/x")
+    finally:
+        etcd.close()
+    message = str(info.value)
+    assert "all endpoints failed" in message
+    assert "Connection" in message.split("all endpoints failed:", 1)[1], message
