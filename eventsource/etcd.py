@@ -573,8 +573,9 @@ class AsyncEtcd:
         return sorted({str(a.get("alarm", "")) for a in result.get("alarms", []) or []
                        if a.get("alarm") not in (None, "", "NONE")})
 
-    async def current_revision(self) -> int:
-        result = await self.post("/kv/range", {"key": b64("\0"), "count_only": True})
+    async def current_revision(self, *, lane: Lane = BULK) -> int:
+        result = await self.post("/kv/range", {"key": b64("\0"), "count_only": True},
+                                 lane=lane)
         return int(result.get("header", {}).get("revision", 0))
 
     async def compact(self, revision: int) -> None:

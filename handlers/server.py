@@ -202,7 +202,8 @@ class Scheduler:
         self.relay: Any = None
         self.supervisor = ModeSupervisor(self.etcd, self.layout, self.committer, self.mode,
                                          self.clock, allow_empty_state=settings.allow_empty_state,
-                                         instance_id=settings.instance_id)
+                                         instance_id=settings.instance_id,
+                                         on_revision=self.cluster.report_lag)
         self.servicer = ControlServicer(settings=settings, cluster=self.cluster, nodes=self.nodes,
                                         workloads=self.workloads, usage=self.usage,
                                         events=self.events, mode=self.mode,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer
@@ -34,7 +35,8 @@ async def has_state(etcd: AsyncEtcd, layout: KeyLayout, *, lane: Lane = BULK) ->
 class ModeSupervisor:
     def __init__(self, etcd: AsyncEtcd, layout: KeyLayout, committer: Committer, mode: ModeState,
                  clock: Clock, *, allow_empty_state: bool, instance_id: str,
-                 interval: float = 3.0) -> None:
+                 interval: float = 3.0,
+                 on_revision: Callable[[int], None] | None = None) -> None:
         self.etcd = etcd
         self.layout = layout
         self.committer = committer
@@ -43,6 +45,8 @@ class ModeSupervisor:
         self.allow_empty_state = allow_empty_state
         self.instance_id = instance_id
         self.interval = interval
+        #: told etcd's revision at each probe (the projections' lag gauge)
+        self.on_revision = on_revision
         self._pending: list[Event] = []
 
     async def probe(self) -> Probe:
@@ -53,6 +57,8 @@ class ModeSupervisor:
             marker = await self.etcd.get(self.layout.initialized, lane=SESSION)
             state = await has_state(self.etcd, self.layout, lane=SESSION)
             alarms = await self.etcd.alarms(lane=SESSION)
+            if self.on_revision is not None:
+                self.on_revision(await self.etcd.current_revision(lane=SESSION))
         except StoreError as exc:
             return Probe(etcd_ok=False, initialized=False, has_state=False,
                          allow_empty_state=self.allow_empty_state, error=str(exc))

@@ -244,6 +244,14 @@ class ClusterProjection:
                             self.allocations, self.alive]
         return every
 
+    def report_lag(self, current: int) -> None:
+        """Set ``projection_lag_revisions`` from etcd's ``current`` revision: how far each
+        projection is behind (0 while it keeps up; the watch's progress notifications advance
+        an idle one)."""
+        for projection in self.projections:
+            self.metrics.projection_lag.labels(projection.name).set(
+                max(0, current - projection.revision))
+
     def is_ready(self) -> bool:
         return all(p.ready.is_set() for p in self.projections)
 

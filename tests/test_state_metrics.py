@@ -209,3 +209,23 @@ async def test_go_metric_families_are_exported_by_the_leader_and_the_gauges_by_a
                 text = await _scrape(standby.http.port)
                 missing = [n for n in GO_STATE_SAMPLES if n not in text]
                 assert not missing, missing
+
+
+async def test_projection_lag_is_reported_per_projection(
+        etcd_server, redis_server, key_root, stream_key) -> None:
+    """``projection_lag_revisions{projection}`` (STYLE's fixed names) follows etcd's revision
+    at each mode probe: set for every projection, and 0 for a projection that keeps up."""
+    from tests.fixtures.harness import make_settings, running_scheduler
+
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched:
+        registry = sched.metrics.registry
+
+        def lag(name: str) -> float | None:
+            return registry.get_sample_value("persys_scheduler_projection_lag_revisions",
+                                             {"projection": name})
+
+        names = [p.name for p in sched.cluster.projections]
+        await wait_for(lambda: all(lag(n) is not None for n in names), timeout=15,
+                       message="projection lag never reported")
+        await wait_for(lambda: lag("nodes") == 0, timeout=15, message="lag never back to 0")
