@@ -79,6 +79,7 @@ from handlers.reconcile import (
     NOOP,
     PLACE,
     REAPPLY,
+    RECORD_REPORT,
     SETTLE,
     STOPPED,
     Action,
@@ -125,6 +126,7 @@ from handlers.specs import (
     request_of,
 )
 from handlers.state import NotFound
+from handlers.statusmeta import agent_metadata, merge_metadata, metadata_news
 from handlers.workloads import Outcome, mark_apply_requested, release_allocation
 from proto.persys.agent.v1 import agent_pb2
 
@@ -629,11 +631,14 @@ class ReconcileLoop(_Shell):
                 return await self._apply(action, views, report, now)
             if kind == COUNT_FAILURE:
                 return await self.count_failure(action.workload_id, action.node_id,
-                                                reason=action.reason, now=now, once=True)
+                                                reason=action.reason, now=now, once=True,
+                                                reported=dict(action.reported))
             if kind == SETTLE:
                 return await self._settle(action, now)
             if kind == MARK_TERMINAL:
                 return await self._mark_terminal(action, now)
+            if kind == RECORD_REPORT:
+                return await self._record_report(action)
         except NotFound:
             return True
         except StoreError as exc:
@@ -772,7 +777,7 @@ class ReconcileLoop(_Shell):
             await self.count_failure(wid, node_id, reason=resp.message or "apply not accepted",
                                      now=now, once=False)
             return False
-        agent_meta = dict(resp.status.metadata)
+        agent_meta = agent_metadata(resp.status.metadata)
         state = {1: "Pending", 2: "Running", 3: "Stopped", 4: "Failed"}.get(
             int(resp.status.actual_state), "Pending")
         stamp = rfc3339(now)
@@ -787,7 +792,7 @@ class ReconcileLoop(_Shell):
                     normalize_desired_state(current.value.desired_state) != desired):
                 return None  # superseded while the call ran: the newer change's record stands
             meta = status.metadata
-            meta.update(agent_meta)
+            merge_metadata(meta, metadata_news(agent_meta, meta, failed=state == "Failed"))
             if action.kind == REAPPLY:
                 meta.update(after_reapply(ReapplyState.read(meta), revision_id=revision,
                                           workload_type=spec.type, now=now, policy=self.policy))
@@ -867,15 +872,17 @@ class ReconcileLoop(_Shell):
             return False
 
     async def count_failure(self, workload_id: str, node_id: str, *, reason: str, now: datetime,
-                            once: bool) -> bool:
+                            once: bool, reported: Mapping[str, str] | None = None) -> bool:
         """Charge one failure to the retry budget (E6), fenced. ``once``: only if the latest
-        apply's failure was not counted yet (an observed Failed is seen by many cycles)."""
+        apply's failure was not counted yet (an observed Failed is seen by many cycles).
+        ``reported``: the agent's metadata news, merged in the same write."""
 
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if node_id and node_of(status) != node_id:
                 return None
             if once and failure_counted(status):
                 return None
+            merge_metadata(status.metadata, reported or {})
             outcome = decide_failure(status, reason=reason, now=now, policy=self.policy,
                                      workload_id=workload_id, node_id=node_id)
             apply_failure(status, outcome, now=now)
@@ -890,7 +897,8 @@ class ReconcileLoop(_Shell):
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if node_of(status) != action.node_id:
                 return None
-            return [] if apply_success(status, actual=actual, now=now) else None
+            merged = merge_metadata(status.metadata, dict(action.reported))
+            return [] if apply_success(status, actual=actual, now=now) or merged else None
 
         await self.writer.update_status(action.workload_id, mutate, kind="reconcile",
                                         fenced=True)
@@ -898,7 +906,10 @@ class ReconcileLoop(_Shell):
 
     async def _mark_terminal(self, action: Action, now: datetime) -> bool:
         def mutate(status: WorkloadStatus) -> list[Event] | None:
-            if status.status == "Failed":
+            if action.reported and node_of(status) != action.node_id:
+                return None  # moved since the plan: the report was about the old copy
+            merged = merge_metadata(status.metadata, dict(action.reported))
+            if status.status == "Failed" and not merged:
                 return None
             status.status = "Failed"
             status.status_info.actual_state = "Failed"
@@ -908,6 +919,18 @@ class ReconcileLoop(_Shell):
             for key in REAPPLY_KEYS:
                 status.metadata.pop(key, None)
             return []
+
+        await self.writer.update_status(action.workload_id, mutate, kind="reconcile",
+                                        fenced=True)
+        return True
+
+    async def _record_report(self, action: Action) -> bool:
+        """Merge the agent's metadata news into the status (E4), and nothing else."""
+
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            if node_of(status) != action.node_id:
+                return None
+            return [] if merge_metadata(status.metadata, dict(action.reported)) else None
 
         await self.writer.update_status(action.workload_id, mutate, kind="reconcile",
                                         fenced=True)

@@ -20,6 +20,13 @@ Order of ``plan_workload`` (E4 ``ReconcileWorkload``, reshaped around the prefet
 An observed ``Failed`` is the agent's definitive answer, so it is governed by the retry budget
 (E6), not by the re-apply guard; ``Missing``/``Stopped`` may be an apply still in flight, so they
 are governed by the guard (E5).
+
+The agent's status metadata (E4 "merged into the workload": ``vm.primary_ip``,
+``container.stderr``, ``failure_reason``, ... bounded and filtered by ``handlers.statusmeta``)
+is news when a merge would change the stored status. The halt check (2.) reads it as merged;
+an action that writes the status anyway merges it (``Action.reported``), and one that would do
+nothing becomes ``RecordAgentMetadata``. Once merged it is no news, so the steady state still
+writes nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from handlers.retry import (
     retry_wait,
 )
 from handlers.specs import InvalidSpec, being_deleted, normalize_desired_state, validate_id
+from handlers.statusmeta import FAILURE_REASON, NO_METADATA, agent_metadata, metadata_news
 from handlers.workloads import is_node_local
 
 RUNNING = "Running"
@@ -90,6 +98,8 @@ class ObservedWorkload(NamedTuple):
     revision_id: str = ""
     desired: str = ""
     message: str = ""
+    #: what of the agent's status metadata may be merged into the status (``statusmeta``)
+    metadata: Mapping[str, str] = NO_METADATA
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,12 +166,17 @@ APPLY_STOPPED = "ApplyStopped"
 COUNT_FAILURE = "RetryOnFailure"
 SETTLE = "Settle"
 MARK_TERMINAL = "MarkTerminal"
+RECORD_REPORT = "RecordAgentMetadata"
 
 #: actions that make an agent RPC (apply or delete)
 RPC_ACTIONS = frozenset({DELETE, REAPPLY, APPLY_STOPPED})
 #: actions that (may) write etcd
 WRITE_ACTIONS = frozenset({FINALIZE, DELETE, PLACE, FAILOVER, REAPPLY, APPLY_STOPPED,
-                           COUNT_FAILURE, SETTLE, MARK_TERMINAL})
+                           COUNT_FAILURE, SETTLE, MARK_TERMINAL, RECORD_REPORT})
+#: actions whose status write also merges the agent's metadata news (``Action.reported``)
+MERGING_ACTIONS = frozenset({COUNT_FAILURE, SETTLE, MARK_TERMINAL, RECORD_REPORT})
+#: actions without I/O that become RECORD_REPORT when the agent reported news
+QUIET_ACTIONS = frozenset({NOOP, SETTLING, TERMINAL, BACKOFF_WAIT, REAPPLY_BACKOFF_WAIT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +189,8 @@ class Action:
     reason: str = ""
     #: the agent state seen in the prefetch (or Missing), for the shell's records
     observed: str = ""
+    #: the agent's metadata to merge into the status (MERGING_ACTIONS), as sorted pairs
+    reported: tuple[tuple[str, str], ...] = ()
 
     @property
     def rpc(self) -> bool:
@@ -197,18 +214,19 @@ def dispatched_at(status: WorkloadStatus) -> datetime | None:
 
 #: status metadata that ``halted`` reads (``steady_running`` refuses any workload carrying one)
 RETRY_TERMINAL = "retry_terminal"
-FAILURE_REASON = "failure_reason"
 HALT_KEYS = frozenset({RETRY_TERMINAL, FAILURE_REASON})
 
 
-def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy) -> str:
+def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy,
+           reported: Mapping[str, str] = NO_METADATA) -> str:
     """Why re-applying must stop for good ('' if it must not), E4 ``shouldHaltReapply``.
 
+    ``reported``: the agent's metadata news, merged before the check as Go merges it.
     A new metadata key read here belongs in ``HALT_KEYS`` too."""
     meta = status.metadata
     if str(meta.get(RETRY_TERMINAL, "")).strip().lower() in TRUTHY:
         return str(meta.get("retry_terminal_reason") or "retry marked terminal")
-    reason = str(meta.get(FAILURE_REASON, "")).strip().upper()
+    reason = str(reported.get(FAILURE_REASON, meta.get(FAILURE_REASON, ""))).strip().upper()
     if reason in TERMINAL_FAILURE_REASONS:
         return f"non-retryable failure {reason}"
     if exhausted(status, policy):
@@ -232,9 +250,13 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
     node = node_of(status)
     desired = normalize_desired_state(spec.desired_state)
     actual = observed.state if observed is not None else MISSING
+    news: Mapping[str, str] = NO_METADATA
 
     def act(kind: str, reason: str = "") -> Action:
-        return Action(kind, wid, node, reason, actual if node_observed else "")
+        if news and kind in QUIET_ACTIONS:
+            kind, reason = RECORD_REPORT, f"agent reported {', '.join(sorted(news))} ({kind})"
+        reported = tuple(sorted(news.items())) if kind in MERGING_ACTIONS else ()
+        return Action(kind, wid, node, reason, actual if node_observed else "", reported)
 
     # 1. deletion
     if desired == DELETED:
@@ -245,10 +267,13 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
         if observed is not None:
             return act(DELETE, "desired Deleted and still on the agent")
         return act(FINALIZE, "gone from the agent")
+    # the agent's metadata news (E4: merged into the workload, and read by the halt check)
+    if node_available and observed is not None and observed.metadata:
+        news = reported_news(spec, status, observed)
     # 2. terminal
-    why = halted(spec, status, policy)
+    why = halted(spec, status, policy, news)
     if why:
-        if status.status != FAILED:
+        if status.status != FAILED or news:  # (a heartbeat may have said Failed already)
             return act(MARK_TERMINAL, why)
         return act(TERMINAL, why)
     # 3. retry backoff gate
@@ -310,6 +335,19 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
     return act(NOOP)
 
 
+def reported_news(spec: WorkloadSpec, status: WorkloadStatus,
+                  observed: ObservedWorkload) -> dict[str, str]:
+    """What of the agent's metadata a merge would change in the status ({} when nothing).
+
+    Nothing from an agent holding another revision: its report describes what the apply of
+    the spec's revision is about to replace (after an update, the old revision's INVALID_IMAGE
+    must not halt the new one).
+    """
+    if observed.revision_id and spec.revision_id and observed.revision_id != spec.revision_id:
+        return {}
+    return metadata_news(observed.metadata, status.metadata, failed=observed.state == FAILED)
+
+
 #: ``desiredState`` spellings that ``normalize_desired_state`` reads as Running, checked verbatim
 RUNNING_SPELLINGS = frozenset({RUNNING, "running", ""})
 #: status metadata any of which sends a workload down the full decision
@@ -325,7 +363,8 @@ def steady_running(spec: WorkloadSpec, status: WorkloadStatus,
     reading retry bookkeeping, building an Action); these plain comparisons spend a fraction
     of that. The caller has already established that the workload's node is available and
     was listed. Anything unusual (retry or re-apply bookkeeping, a terminal mark, another
-    revision, another state, an unusual ``desiredState`` spelling) returns False and goes
+    revision, another state, an unusual ``desiredState`` spelling, agent metadata not yet
+    merged) returns False and goes
     through ``plan_workload``, so this can only skip work, never change a decision (a
     property test holds it to that).
     """
@@ -334,7 +373,8 @@ def steady_running(spec: WorkloadSpec, status: WorkloadStatus,
             and not status.retry.attempts and not status.retry.next_retry_at
             and (observed.revision_id == spec.revision_id or not observed.revision_id
                  or not spec.revision_id)
-            and _NOT_STEADY_KEYS.isdisjoint(status.metadata))
+            and _NOT_STEADY_KEYS.isdisjoint(status.metadata)
+            and (not observed.metadata or not reported_news(spec, status, observed)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -787,5 +827,6 @@ def observed_from_agent(statuses: Iterable[Any]) -> dict[str, ObservedWorkload]:
     """
     states, desired = AGENT_STATES, _AGENT_DESIRED
     return {s.id: ObservedWorkload(s.id, states.get(s.actual_state, UNKNOWN), s.revision_id,
-                                   desired.get(s.desired_state, ""), s.message)
+                                   desired.get(s.desired_state, ""), s.message,
+                                   agent_metadata(s.metadata) if s.metadata else NO_METADATA)
             for s in statuses if s.id}

@@ -403,10 +403,11 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
             if spec is None:
                 continue
             status = self.cluster.statuses.get(wid)
-            view = workload_view(spec.value, status.value if status else None)
-            if wanted and view.status.lower() != wanted:
+            # the status itself, not its view's text: a VM's shows "Running (ip=...)"
+            shown = (status.value.status if status else "") or "Unknown"
+            if wanted and shown.lower() != wanted:
                 continue
-            resp.workloads.append(view)
+            resp.workloads.append(workload_view(spec.value, status.value if status else None))
         return resp
 
     async def GetWorkload(self, request: control_pb2.GetWorkloadRequest,

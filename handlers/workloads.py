@@ -53,6 +53,7 @@ from handlers.placement import PlacementRequest, canonical_driver
 from handlers.placer import Placer
 from handlers.specs import InvalidSpec, ParsedApply, compute_revision, request_of
 from handlers.state import NotFound, StateWriter
+from handlers.statusmeta import METADATA_MAX_KEYS
 from projections.cluster import ClusterProjection
 
 log = logging.getLogger("persys.workloads")
@@ -102,8 +103,6 @@ class _Placed:
 #: characters sixfold): etcd refuses a request over 1.5 MiB, and the transaction carries the
 #: workload's events and its node's allocation too
 RECORD_MAX_BYTES = 1024 * 1024
-#: metadata keys a workload's status may carry (updates merge theirs into it)
-METADATA_MAX_KEYS = 512
 
 
 def stored_records(spec: WorkloadSpec, status: WorkloadStatus) -> tuple[bytes, bytes] | Outcome:

@@ -241,7 +241,7 @@ def test_an_excluded_workload_is_left_out_of_a_memoised_answer() -> None:
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["state", "desired", "revision", "move", "delete",
-                                          "agent", "view", "relist", "noop"]),
+                                          "agent", "report", "view", "relist", "noop"]),
                          st.integers(0, 29), st.integers(0, len(NODES) - 1),
                          st.sampled_from(["Running", "Failed", "Stopped", "Pending", ""])),
                max_size=25)
@@ -274,6 +274,11 @@ def test_plan_by_node_equals_the_reference_through_any_changes(
                     listing[wid] = ObservedWorkload(wid, value, "rev-1", "Running")
                 else:
                     listing.pop(wid, None)
+            elif kind == "report" and wid in fleet.listings[node]:
+                # the agent's metadata (merged into the status on news, see statusmeta)
+                listing = fleet.listings[node]
+                listing[wid] = listing[wid]._replace(
+                    metadata={"vm.primary_ip": value} if value else {})
             elif kind == "view":
                 alive = value != "Failed"
                 fleet.views[node] = NodeView(node, True, "Ready" if value else "NotReady",

@@ -45,6 +45,7 @@ from handlers.reconcile import (
     REASSIGN,
     REASSIGN_MISSING_OWNER,
     REBIND_ROTATED,
+    RECORD_REPORT,
     RETRY_TERMINAL,
     REVISION_MISMATCH,
     SETTLE,
@@ -82,6 +83,7 @@ from handlers.retry import (
     reapply_guard,
     retry_backoff_s,
 )
+from handlers.statusmeta import agent_metadata
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 POLICY = RetryPolicy()
@@ -446,14 +448,16 @@ def test_plan_cycle_covers_owned_nodes_and_unassigned_share() -> None:
 
 def _steady_case(*, desired: str = "Running", state: str = "Running", agent: str = "Running",
                  agent_revision: str = "rev-1", revision: str = "rev-1", attempts: int = 0,
-                 next_retry: str = "", **meta: str
+                 next_retry: str = "", reported: dict[str, str] | None = None, **meta: str
                  ) -> tuple[WorkloadSpec, WorkloadStatus, ObservedWorkload]:
     """The steady state (a workload running where it should, applied long ago), with one or more
-    fields changed: the inputs on which the shortcut and the full decision could disagree."""
+    fields changed: the inputs on which the shortcut and the full decision could disagree.
+    ``reported``: the agent's status metadata, as ``observed_from_agent`` keeps it."""
     return (spec(desired=desired, revision=revision),
             status(state=state, attempts=attempts, next_retry=next_retry,
                    **{**APPLIED_LONG_AGO, **meta}),
-            seen(agent, revision=agent_revision))
+            seen(agent, revision=agent_revision)._replace(
+                metadata=agent_metadata(reported or {})))
 
 
 def _assert_shortcut_agrees(s: WorkloadSpec, st_: WorkloadStatus, obs: ObservedWorkload,
@@ -493,6 +497,19 @@ NEAR_STEADY = [
     ("desired deleted", {"desired": "Deleted"}, DELETE),
     ("desired lower case", {"desired": "running"}, NOOP),
     ("desired padded", {"desired": " Running "}, NOOP),
+    ("agent reports an address", {"reported": {"vm.primary_ip": "10.0.0.9"}}, RECORD_REPORT),
+    ("agent reports what is stored", {"reported": {"note": "x"}, "note": "x"}, NOOP),
+    ("agent reports a new value", {"reported": {"note": "y"}, "note": "x"}, RECORD_REPORT),
+    ("agent reports only its task", {"reported": {"task_id": "apply-1"}}, NOOP),
+    ("agent reports a scheduler key", {"reported": {"last_action": "x"}}, NOOP),
+    ("running agent reports a terminal reason", {"reported": {FAILURE_REASON: "INVALID_IMAGE"}},
+     NOOP),
+    ("failed agent reports a terminal reason",
+     {"agent": "Failed", "reported": {FAILURE_REASON: "INVALID_IMAGE"}}, MARK_TERMINAL),
+    ("failed agent reports a retryable reason",
+     {"agent": "Failed", "reported": {FAILURE_REASON: "OOM"}}, COUNT_FAILURE),
+    ("agent of another revision reports", {"agent_revision": "rev-0",
+                                           "reported": {"vm.primary_ip": "10.0.0.9"}}, REAPPLY),
     ("unchanged", {}, NOOP),
 ]
 
@@ -526,13 +543,17 @@ def _near(baseline: Any, *others: Any) -> st.SearchStrategy[Any]:
                                         "note"]),
                        st.sampled_from(["", "true", "false", "INVALID_IMAGE", "x",
                                         rfc3339(at(-3600))]), max_size=2),
-       st.floats(min_value=-100, max_value=1000))
+       st.floats(min_value=-100, max_value=1000),
+       st.dictionaries(st.sampled_from([FAILURE_REASON, "note", "vm.primary_ip", "task_id"]),
+                       st.sampled_from(["x", "INVALID_IMAGE", "10.0.0.9"]), max_size=2))
 def test_the_steady_shortcut_never_changes_a_decision(
         desired: str, state: str, agent: str, agent_revision: str, revision: str,
-        attempts: int, next_retry: str, meta: dict[str, str], t: float) -> None:
+        attempts: int, next_retry: str, meta: dict[str, str], t: float,
+        reported: dict[str, str]) -> None:
     s, st_, obs = _steady_case(desired=desired, state=state, agent=agent,
                                agent_revision=agent_revision, revision=revision,
-                               attempts=attempts, next_retry=next_retry, **meta)
+                               attempts=attempts, next_retry=next_retry, reported=reported,
+                               **meta)
     _assert_shortcut_agrees(s, st_, obs, at(t))
 
 
@@ -541,6 +562,26 @@ def test_the_steady_shortcut_takes_the_common_case() -> None:
     assert steady_running(*_steady_case(desired="running", note="kept"))
     s, st_, _ = _steady_case()
     assert not steady_running(s, st_, None)
+
+
+def test_the_agents_news_rides_on_the_action_that_writes_the_status() -> None:
+    """A terminal failure_reason from the agent halts in the cycle that sees it; the marking
+    write merges the report, after which the workload is quiet (no write every cycle)."""
+    s, st_, obs = _steady_case(agent="Failed", reported={FAILURE_REASON: "INVALID_IMAGE",
+                                                         "container.stderr": "denied"})
+
+    def plan() -> Any:
+        return plan_workload(s, st_, obs, node_available=True, node_observed=True, now=T0,
+                             policy=POLICY)
+
+    action = plan()
+    assert action.kind == MARK_TERMINAL
+    assert action.reported == (("container.stderr", "denied"), (FAILURE_REASON, "INVALID_IMAGE"))
+    st_.status = "Failed"  # a heartbeat said Failed first: the report still marks it once
+    assert plan().kind == MARK_TERMINAL
+    st_.metadata.update(action.reported)
+    assert plan().kind == TERMINAL
+    assert plan().reported == ()
 
 
 # -- E7 drift --------------------------------------------------------------------------------
