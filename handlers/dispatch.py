@@ -35,7 +35,9 @@ from handlers.specs import (
     normalize_desired_state,
 )
 from handlers.state import NotFound, StateWriter
+from handlers.statusmeta import agent_metadata, merge_metadata, metadata_news
 from projections.cluster import ClusterProjection, node_of
+from proto.persys.agent.v1 import agent_pb2
 
 log = logging.getLogger("persys.dispatch")
 
@@ -171,8 +173,40 @@ class Dispatcher:
                 return
             if not response.applied and not response.skipped:
                 await self._record_apply(spec, node_id, error=response.message or "not applied")
-            # success costs no write: the committing transaction already recorded the apply
-            # request (lastApplyRequestAt), and the agent's heartbeat reports the outcome
+                return
+            # success costs no write (the committing transaction already recorded the apply
+            # request, lastApplyRequestAt, and the agent's reports show the outcome) unless
+            # the answer carries agent metadata the status does not hold yet
+            await self._record_answer(spec, node_id, response.status)
+
+    async def _record_answer(self, spec: WorkloadSpec, node_id: str,
+                             answer: agent_pb2.WorkloadStatus) -> None:
+        """Merge the metadata of an accepted apply's status into the status record (E4)."""
+        if answer.metadata.get("task_id"):
+            log.debug("apply accepted workload_id=%s node_id=%s task_id=%s", spec.id, node_id,
+                      answer.metadata["task_id"])
+        reported = agent_metadata(answer.metadata) if answer.metadata else {}
+        if not reported or (answer.revision_id and spec.revision_id
+                            and answer.revision_id != spec.revision_id):
+            return
+        failed = answer.actual_state == agent_pb2.ACTUAL_STATE_FAILED
+        item = self.cluster.statuses.get(spec.id)
+        if item is None or not metadata_news(reported, item.value.metadata, failed=failed):
+            return
+
+        def mutate(status: WorkloadStatus) -> list[Event] | None:
+            current = self.cluster.specs.get(spec.id)
+            if (node_of(status) != node_id or current is None
+                    or current.value.revision_id != spec.revision_id
+                    or being_deleted(current.value, status)):
+                return None  # superseded while the call ran
+            news = metadata_news(reported, status.metadata, failed=failed)
+            return [] if merge_metadata(status.metadata, news) else None
+
+        try:
+            await self.writer.update_status(spec.id, mutate, kind="dispatch")
+        except (NotFound, Conflict, StoreError) as exc:
+            log.info("apply answer not recorded workload_id=%s: %s", spec.id, exc)
 
     async def _record_apply(self, spec: WorkloadSpec, node_id: str, *, error: str) -> None:
         """Record a failed apply on the status, for the reconcile loop's retry budget."""

@@ -163,3 +163,37 @@ async def test_an_agent_reported_invalid_image_halts_the_retries(
             assert fleet.counters.rpcs["ApplyWorkload"] == applies, "applied again"
             assert (await view()).status == "Failed"
 
+
+async def test_metadata_in_the_apply_answer_is_recorded_by_the_dispatcher(
+        etcd_server, redis_server, key_root, stream_key, monkeypatch):
+    """The status in the agent's ApplyWorkload answer carries metadata: what is new reaches the
+    status record with no reconcile cycle (one ran on gaining leadership, the next in an hour);
+    the apply task's own keys (task_id, task_status) are not stored."""
+    import ops.sim as sim
+    original = sim.SimNode._submitted
+
+    def with_runtime(self: Any, w: Any) -> Any:
+        answer = original(self, w)
+        answer.status.metadata["container.id"] = f"c-{w.workload_id}"
+        return answer
+
+    monkeypatch.setattr(sim.SimNode, "_submitted", with_runtime)
+    s = make_settings(etcd_server, redis_server, key_root, stream_key,
+                      reconcile_interval_s=3600.0, drift_detect_interval_s=0.0)
+    async with running_scheduler(s) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: sched.leader.is_leader, timeout=15)
+            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="w-meta", spec=container_spec()))).success
+
+            def recorded() -> Any:
+                item = sched.cluster.statuses.get("w-meta")
+                return item is not None and item.value.metadata.get("container.id")
+
+            assert await wait_for(recorded, timeout=10, message="answer recorded") == "c-w-meta"
+            item = sched.cluster.statuses.get("w-meta")
+            assert item is not None
+            assert "task_id" not in item.value.metadata
+            assert "task_status" not in item.value.metadata
