@@ -12,6 +12,8 @@ import asyncio
 import logging
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, NotLeader, StoreError
@@ -46,9 +48,15 @@ PROJECTION_WAIT_S = 10.0
 
 
 def refused(answer: Any) -> bool:
-    """An agent's DeleteWorkloadResponse that says no (success=false), unless it says the
-    workload is not there (gone is what a delete wants)."""
-    return not answer.success and "not found" not in str(answer.message).lower()
+    """An agent's DeleteWorkloadResponse that says no (success=false), whatever its message.
+
+    Its text is no evidence that the workload is gone: "not found" may be about anything else
+    (Docker's "network persys-net not found"), and the Go scheduler, which took it for
+    "gone", removed the state of workloads its agents still ran (persys-facts I5). Whether the
+    workload is there is asked of the agent (``Dispatcher.gone_from_agent``) or read from its
+    next listing (the reconcile loop).
+    """
+    return not answer.success
 
 
 class Dispatcher:
@@ -241,8 +249,10 @@ class Dispatcher:
             if endpoint is not None:
                 try:
                     answer = await self.pool.delete(node_id, endpoint, workload_id)
-                    if refused(answer):
-                        # the agent still runs it: finalising would leave an orphan there
+                    if refused(answer) and not await self.gone_from_agent(
+                            node_id, endpoint, workload_id):
+                        # the agent still holds it (or cannot say): finalising could leave an
+                        # orphan there
                         log.warning("agent refused the delete workload_id=%s node_id=%s: %s "
                                     "(reconcile retries)", workload_id, node_id, answer.message)
                         return
@@ -263,6 +273,32 @@ class Dispatcher:
                 await self.finalize(workload_id)
             except StoreError as exc:
                 log.warning("delete finalisation failed workload_id=%s: %s", workload_id, exc)
+
+    async def gone_from_agent(self, node_id: str, endpoint: str, workload_id: str) -> bool:
+        """Whether the agent no longer holds the workload, on evidence only.
+
+        ``GetWorkloadStatus`` answering ``NOT_FOUND`` is evidence. A Go agent answers a missing
+        workload with a plain error (code UNKNOWN), so any other answer that is an error is
+        checked against its ``ListWorkloads``: not listed means gone. An answer with a status
+        (GetWorkloadStatus includes applies still in flight, which ListWorkloads does not),
+        or an agent that does not answer, is not.
+        """
+        try:
+            await self.pool.status(node_id, endpoint, workload_id)
+            return False
+        except AgentError as exc:
+            if exc.not_found:
+                return True
+            if exc.unreachable:
+                return False
+        try:
+            raw = await self.pool.list_workloads_raw(node_id, endpoint)
+            listing = agent_pb2.ListWorkloadsResponse.FromString(raw)
+        except (AgentError, DecodeError) as exc:
+            log.info("agent listing not read workload_id=%s node_id=%s: %s", workload_id,
+                     node_id, exc)
+            return False
+        return all(w.id != workload_id for w in listing.workloads)
 
     def forget_on(self, workload_id: str, node_id: str, *, leader_only: bool = False) -> None:
         """Best-effort removal of a moved workload from the node it left (``leader_only``: as
