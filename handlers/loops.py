@@ -872,7 +872,7 @@ class ReconcileLoop(_Shell):
             return False
 
     async def count_failure(self, workload_id: str, node_id: str, *, reason: str, now: datetime,
-                            once: bool, reported: Mapping[str, str] | None = None) -> bool:
+                            once: bool, reported: Mapping[str, str | None] | None = None) -> bool:
         """Charge one failure to the retry budget (E6), fenced. ``once``: only if the latest
         apply's failure was not counted yet (an observed Failed is seen by many cycles).
         ``reported``: the agent's metadata news, merged in the same write."""

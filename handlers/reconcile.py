@@ -190,7 +190,7 @@ class Action:
     #: the agent state seen in the prefetch (or Missing), for the shell's records
     observed: str = ""
     #: the agent's metadata to merge into the status (MERGING_ACTIONS), as sorted pairs
-    reported: tuple[tuple[str, str], ...] = ()
+    reported: tuple[tuple[str, str | None], ...] = ()
 
     @property
     def rpc(self) -> bool:
@@ -218,7 +218,7 @@ HALT_KEYS = frozenset({RETRY_TERMINAL, FAILURE_REASON})
 
 
 def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy,
-           reported: Mapping[str, str] = NO_METADATA) -> str:
+           reported: Mapping[str, str | None] = NO_METADATA) -> str:
     """Why re-applying must stop for good ('' if it must not), E4 ``shouldHaltReapply``.
 
     ``reported``: the agent's metadata news, merged before the check as Go merges it.
@@ -226,7 +226,8 @@ def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy,
     meta = status.metadata
     if str(meta.get(RETRY_TERMINAL, "")).strip().lower() in TRUTHY:
         return str(meta.get("retry_terminal_reason") or "retry marked terminal")
-    reason = str(reported.get(FAILURE_REASON, meta.get(FAILURE_REASON, ""))).strip().upper()
+    value = reported[FAILURE_REASON] if FAILURE_REASON in reported else meta.get(FAILURE_REASON)
+    reason = str(value or "").strip().upper()
     if reason in TERMINAL_FAILURE_REASONS:
         return f"non-retryable failure {reason}"
     if exhausted(status, policy):
@@ -250,7 +251,7 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
     node = node_of(status)
     desired = normalize_desired_state(spec.desired_state)
     actual = observed.state if observed is not None else MISSING
-    news: Mapping[str, str] = NO_METADATA
+    news: Mapping[str, str | None] = NO_METADATA
 
     def act(kind: str, reason: str = "") -> Action:
         if news and kind in QUIET_ACTIONS:
@@ -268,7 +269,8 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
             return act(DELETE, "desired Deleted and still on the agent")
         return act(FINALIZE, "gone from the agent")
     # the agent's metadata news (E4: merged into the workload, and read by the halt check)
-    if node_available and observed is not None and observed.metadata:
+    if node_available and observed is not None and (
+            observed.metadata or FAILURE_REASON in status.metadata):
         news = reported_news(spec, status, observed)
     # 2. terminal
     why = halted(spec, status, policy, news)
@@ -336,7 +338,7 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
 
 
 def reported_news(spec: WorkloadSpec, status: WorkloadStatus,
-                  observed: ObservedWorkload) -> dict[str, str]:
+                  observed: ObservedWorkload) -> dict[str, str | None]:
     """What of the agent's metadata a merge would change in the status ({} when nothing).
 
     Nothing from an agent holding another revision: its report describes what the apply of

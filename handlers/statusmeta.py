@@ -18,7 +18,11 @@ Invariants (pure functions; the callers write with CAS):
 * ``task_id`` and ``task_status`` are not stored: they name one apply task, change with every
   apply, and no later report updates them (the Go agent's ``ListWorkloads`` leaves tasks out),
   so storing them would cost a write per apply and show "pending" for ever. They are logged.
-* A merge adds and overwrites; it never removes a key the agent stopped reporting (as Go).
+* A merge adds and overwrites; it never removes a key the agent stopped reporting (as Go),
+  except ``failure_reason``, which follows the agent's reports: set by a report that says
+  Failed, removed by one that does not. Go kept it, so a workload halted by it stayed halted
+  (and shown Failed) after its agent ran it again, e.g. when the halt came from a report
+  older than a RetryWorkload's apply.
 * Writes only on news: ``metadata_news`` is empty when every reported key is stored with that
   value, which is the steady state, so a reconcile cycle writes nothing for it.
 """
@@ -38,7 +42,8 @@ AGENT_KEYS_MAX = 32
 KEY_CHARS = 128
 VALUE_CHARS = 1024
 #: the agent key that halts re-applies (``reconcile.halted``): taken only from a report that
-#: says Failed, so a leftover on a running workload cannot mark it Failed
+#: says Failed (a leftover on a running workload must not mark it Failed), and removed by a
+#: report that does not
 FAILURE_REASON = "failure_reason"
 #: keys describing one apply task: logged, not stored
 TASK_KEYS = frozenset({"task_id", "task_status"})
@@ -71,22 +76,33 @@ def agent_metadata(raw: Mapping[str, str]) -> Mapping[str, str]:
 
 
 def metadata_news(reported: Mapping[str, str], stored: Mapping[str, Any], *,
-                  failed: bool) -> dict[str, str]:
-    """The reported keys (from ``agent_metadata``) that a merge would change in ``stored``.
+                  failed: bool) -> dict[str, str | None]:
+    """What a merge of a report (from ``agent_metadata``) would change in ``stored``: the
+    reported keys with another value, and ``failure_reason: None`` (remove it) when the report
+    does not say Failed (``failed``) and the status holds one.
 
-    ``failed``: the report says the workload failed; otherwise its ``failure_reason`` is left
-    out. A key the status has no room for is no news (or it would be news every cycle).
+    A key the status has no room for is no news (or it would be news every cycle).
     """
     room = len(stored) < METADATA_MAX_KEYS
-    return {key: value for key, value in reported.items()
-            if stored.get(key) != value and (room or key in stored)
-            and (failed or key != FAILURE_REASON)}
+    news: dict[str, str | None] = {
+        key: value for key, value in reported.items()
+        if stored.get(key) != value and (room or key in stored)
+        and (failed or key != FAILURE_REASON)}
+    if not failed and FAILURE_REASON in stored:
+        news[FAILURE_REASON] = None
+    return news
 
 
-def merge_metadata(metadata: MutableMapping[str, Any], news: Mapping[str, str]) -> bool:
-    """Merge ``news`` into a (copied) status's metadata within its bound; True if it changed."""
+def merge_metadata(metadata: MutableMapping[str, Any], news: Mapping[str, str | None]) -> bool:
+    """Merge ``news`` into a (copied) status's metadata within its bound (None: remove the
+    key); True if it changed."""
     changed = False
     for key, value in news.items():
+        if value is None:
+            if key in metadata:
+                del metadata[key]
+                changed = True
+            continue
         if metadata.get(key) == value:
             continue
         if key not in metadata and len(metadata) >= METADATA_MAX_KEYS:

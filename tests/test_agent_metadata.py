@@ -60,6 +60,19 @@ def test_news_is_only_what_a_merge_would_change() -> None:
     assert len(full) == METADATA_MAX_KEYS
 
 
+def test_failure_reason_follows_the_agents_reports() -> None:
+    """Set by a report that says Failed, removed by one that does not (a leftover on a running
+    workload must not halt it, nor a halt outlive the failure)."""
+    stored: dict[str, Any] = {"failure_reason": "INVALID_IMAGE"}
+    assert metadata_news({}, stored, failed=True) == {}
+    assert metadata_news({"failure_reason": "INVALID_IMAGE"}, {}, failed=False) == {}
+    news = metadata_news({"failure_reason": "INVALID_IMAGE"}, stored, failed=False)
+    assert news == {"failure_reason": None}
+    assert merge_metadata(stored, news)
+    assert stored == {}
+    assert not merge_metadata(stored, news)
+
+
 # -- end to end ---------------------------------------------------------------------------------
 
 async def _running(status: Callable[[], Awaitable[str]]) -> bool:

@@ -479,8 +479,13 @@ def _assert_shortcut_agrees(s: WorkloadSpec, st_: WorkloadStatus, obs: ObservedW
 NEAR_STEADY = [
     ("retry_terminal", {RETRY_TERMINAL: "true"}, MARK_TERMINAL),
     ("retry_terminal false", {RETRY_TERMINAL: "false"}, NOOP),
-    ("terminal failure reason", {FAILURE_REASON: "INVALID_IMAGE"}, MARK_TERMINAL),
-    ("other failure reason", {FAILURE_REASON: "OOM"}, NOOP),
+    # a stored failure_reason follows the agent: one that runs the spec's revision removes it
+    ("terminal failure reason", {FAILURE_REASON: "INVALID_IMAGE"}, RECORD_REPORT),
+    ("terminal failure reason, agent failed it", {FAILURE_REASON: "INVALID_IMAGE",
+                                                  "agent": "Failed"}, MARK_TERMINAL),
+    ("terminal failure reason, agent of another revision",
+     {FAILURE_REASON: "INVALID_IMAGE", "agent_revision": "rev-0"}, MARK_TERMINAL),
+    ("other failure reason", {FAILURE_REASON: "OOM"}, RECORD_REPORT),
     ("attempts", {"attempts": 2}, SETTLE),
     ("retry due later", {"next_retry": rfc3339(at(60))}, BACKOFF_WAIT),
     ("retry due before", {"next_retry": rfc3339(at(-60))}, SETTLE),
@@ -582,6 +587,12 @@ def test_the_agents_news_rides_on_the_action_that_writes_the_status() -> None:
     st_.metadata.update(action.reported)
     assert plan().kind == TERMINAL
     assert plan().reported == ()
+    # its agent runs it again (the halt came from a report older than a retry's apply): the
+    # reason goes with the write that settles it Running
+    obs = obs._replace(state="Running", metadata=agent_metadata({}))
+    settle = plan()
+    assert settle.kind == SETTLE
+    assert settle.reported == ((FAILURE_REASON, None),)
 
 
 # -- E7 drift --------------------------------------------------------------------------------
