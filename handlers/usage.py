@@ -198,6 +198,11 @@ class UsageSink:
             self._beats[node_id] = ms
         self._ready.set()
 
+    def heartbeat_seen_here(self, node_id: str) -> datetime | None:
+        """The newest heartbeat of ``node_id`` this replica received (no Redis read)."""
+        ms = self._seen.get(node_id)
+        return None if ms is None else _EPOCH + timedelta(milliseconds=ms)
+
     async def last_heartbeats(self, node_ids: Sequence[str]) -> dict[str, datetime]:
         """Per node, the newest heartbeat any replica recorded in Redis or this replica
         received; nodes with neither are left out. One MGET for all of them, at most

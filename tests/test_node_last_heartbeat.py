@@ -181,3 +181,35 @@ async def test_heartbeat_times_in_redis_only_move_forward(redis_server, stream_k
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
         await client.aclose()
+
+
+async def test_node_controls_answer_without_reading_redis(
+        etcd_server, redis_server, key_root, stream_key) -> None:
+    """A label or taint change answers with the heartbeat this replica saw: it runs at
+    hundreds per second and must not cost a Redis round trip each (GetNode makes one)."""
+    s = make_settings(etcd_server, redis_server, key_root, stream_key)
+    client = aioredis.from_url(redis_server.url)
+
+    async def mgets() -> int:
+        stats = await client.info("commandstats")
+        return int(stats.get("cmdstat_mget", {}).get("calls", 0))
+
+    try:
+        async with running_scheduler(s) as sched:
+            address = f"127.0.0.1:{sched.grpc_port}"
+            async with running_fleet(address, 1, heartbeat_interval_s=0.5) as fleet, \
+                    control_stub(address) as stub:
+                await fleet.wait_registered()
+                node_id = fleet.nodes[0].node_id
+                await _beat_a_while(fleet, datetime.now(UTC), beats=2)
+                before = await mgets()
+                for i in range(10):
+                    resp = await stub.SetNodeLabel(pb.SetNodeLabelRequest(
+                        node_id=node_id, key="k", value=str(i)))
+                    assert resp.accepted
+                    assert _age(resp.node, datetime.now(UTC)) < FRESH  # seen here
+                assert await mgets() == before
+                await stub.GetNode(pb.GetNodeRequest(node_id=node_id))
+                assert await mgets() == before + 1
+    finally:
+        await client.aclose()
