@@ -13,7 +13,7 @@ from typing import Any
 from handlers.statusmeta import (
     AGENT_KEYS_MAX,
     METADATA_MAX_KEYS,
-    VALUE_CHARS,
+    VALUE_BYTES,
     agent_metadata,
     merge_metadata,
     metadata_news,
@@ -38,7 +38,7 @@ def test_a_report_is_bounded_and_keeps_out_the_schedulers_own_keys() -> None:
                 "container.stderr": "e" * 5000})
     kept = agent_metadata(raw)
     assert len(kept) == AGENT_KEYS_MAX
-    assert kept["container.stderr"] == "e" * VALUE_CHARS
+    assert kept["container.stderr"] == "e" * VALUE_BYTES
     assert not {"task_id", "task_status", "last_action", "lastApplyRequestAt",
                 "persys.vm.password", "Persys.Scheduling.allow_move"} & set(kept)
     assert all(len(k) <= 128 for k in kept)
