@@ -632,7 +632,8 @@ class ReconcileLoop(_Shell):
             if kind == COUNT_FAILURE:
                 return await self.count_failure(action.workload_id, action.node_id,
                                                 reason=action.reason, now=now, once=True,
-                                                reported=dict(action.reported))
+                                                reported=dict(action.reported),
+                                                revision=action.revision)
             if kind == SETTLE:
                 return await self._settle(action, now)
             if kind == MARK_TERMINAL:
@@ -872,13 +873,17 @@ class ReconcileLoop(_Shell):
             return False
 
     async def count_failure(self, workload_id: str, node_id: str, *, reason: str, now: datetime,
-                            once: bool, reported: Mapping[str, str | None] | None = None) -> bool:
+                            once: bool, reported: Mapping[str, str | None] | None = None,
+                            revision: str | None = None) -> bool:
         """Charge one failure to the retry budget (E6), fenced. ``once``: only if the latest
         apply's failure was not counted yet (an observed Failed is seen by many cycles).
-        ``reported``: the agent's metadata news, merged in the same write."""
+        ``reported``: the agent's metadata news, merged in the same write. ``revision``: the
+        spec revision the failure was observed for (nothing is charged to a newer one)."""
 
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if node_id and node_of(status) != node_id:
+                return None
+            if revision is not None and not self._spec_unchanged(workload_id, revision):
                 return None
             if once and failure_counted(status):
                 return None
@@ -891,12 +896,22 @@ class ReconcileLoop(_Shell):
         await self.writer.update_status(workload_id, mutate, kind="retry", fenced=True)
         return True
 
+    def _spec_unchanged(self, workload_id: str, revision: str) -> bool:
+        """The spec is still at ``revision`` and not being deleted. Read inside a status
+        mutation: an update or a delete writes the status in the same transaction as the spec,
+        so the projections show both or neither when the status is read fresh."""
+        item = self.cluster.specs.get(workload_id)
+        return (item is not None and item.value.revision_id == revision
+                and normalize_desired_state(item.value.desired_state) != "Deleted")
+
     async def _settle(self, action: Action, now: datetime) -> bool:
         actual = action.observed or "Running"
 
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if node_of(status) != action.node_id:
                 return None
+            if not self._spec_unchanged(action.workload_id, action.revision):
+                return None  # updated or deleted since the listing: the report is stale
             merged = merge_metadata(status.metadata, dict(action.reported))
             return [] if apply_success(status, actual=actual, now=now) or merged else None
 
@@ -908,6 +923,8 @@ class ReconcileLoop(_Shell):
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if action.reported and node_of(status) != action.node_id:
                 return None  # moved since the plan: the report was about the old copy
+            if not self._spec_unchanged(action.workload_id, action.revision):
+                return None  # updated or deleted since the plan: decided for the old spec
             merged = merge_metadata(status.metadata, dict(action.reported))
             if status.status == "Failed" and not merged:
                 return None
@@ -929,6 +946,8 @@ class ReconcileLoop(_Shell):
 
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if node_of(status) != action.node_id:
+                return None
+            if not self._spec_unchanged(action.workload_id, action.revision):
                 return None
             return [] if merge_metadata(status.metadata, dict(action.reported)) else None
 

@@ -191,6 +191,9 @@ class Action:
     observed: str = ""
     #: the agent's metadata to merge into the status (MERGING_ACTIONS), as sorted pairs
     reported: tuple[tuple[str, str | None], ...] = ()
+    #: the spec revision the plan saw: a status write decided from the agent's report must not
+    #: land on a spec updated (or deleted) between the listing and the write
+    revision: str = ""
 
     @property
     def rpc(self) -> bool:
@@ -257,7 +260,8 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
         if news and kind in QUIET_ACTIONS:
             kind, reason = RECORD_REPORT, f"agent reported {', '.join(sorted(news))} ({kind})"
         reported = tuple(sorted(news.items())) if kind in MERGING_ACTIONS else ()
-        return Action(kind, wid, node, reason, actual if node_observed else "", reported)
+        return Action(kind, wid, node, reason, actual if node_observed else "", reported,
+                      spec.revision_id)
 
     # 1. deletion
     if desired == DELETED:
