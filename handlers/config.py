@@ -56,6 +56,15 @@ def default_instance_id() -> str:
 
 EVENT_LOOPS = ("uvloop", "asyncio")
 
+#: LOG_LEVEL values: the Go version's logrus names and Python's, each to the Python level used
+LOG_LEVELS = {
+    "trace": "debug", "debug": "debug", "info": "info", "warn": "warning",
+    "warning": "warning", "error": "error", "fatal": "critical", "panic": "critical",
+    "critical": "critical",
+}
+#: LOG_FORMAT values (logrus's two formatters): one JSON object per line, or key=value text
+LOG_FORMATS = ("json", "text")
+
 DEFAULT_TLS_CA = "/etc/persys/certs/persys_scheduler/ca.pem"
 DEFAULT_TLS_CERT = "/etc/persys/certs/persys_scheduler/persys_scheduler.crt"
 DEFAULT_TLS_KEY = "/etc/persys/certs/persys_scheduler/persys_scheduler-key.key"
@@ -273,6 +282,12 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
     event_loop = r.text("SCHEDULER_EVENT_LOOP", "uvloop").lower()
     if event_loop not in EVENT_LOOPS:
         raise ConfigError(f"SCHEDULER_EVENT_LOOP: {event_loop!r} is not 'uvloop' or 'asyncio'")
+    log_level = r.text("LOG_LEVEL", "info").lower()
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"LOG_LEVEL: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    log_format = r.text("LOG_FORMAT", "json").lower()
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(f"LOG_FORMAT: {log_format!r} is not 'json' or 'text'")
     if ha_mode not in ("failover", "active-active"):
         raise ConfigError(f"SCHEDULER_HA_MODE: {ha_mode!r} is not 'failover' or 'active-active'")
     shard_count = r.integer("SCHEDULER_SHARD_COUNT", 1, minimum=1, maximum=1024)
@@ -370,8 +385,8 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         relay_enabled=r.flag("SCHEDULER_RELAY_ENABLED", True),
         dns_lease_ttl_s=r.integer("SCHEDULER_DNS_LEASE_TTL", 15, minimum=2, maximum=3600),
         instance_id=r.text("SCHEDULER_INSTANCE_ID", "") or default_instance_id(),
-        log_level=r.text("LOG_LEVEL", "info").lower(),
-        log_format=r.text("LOG_FORMAT", "json").lower(),
+        log_level=LOG_LEVELS[log_level],
+        log_format=log_format,
         event_loop=event_loop,
     )
     if settings.node_lease_ttl_s <= settings.heartbeat_interval_s:

@@ -1,0 +1,49 @@
+"""How a replica starts and refuses to: settings, listeners, an unreachable etcd, signals.
+
+The README promises that an invalid value stops the start with a message naming the variable;
+these tests hold ``serve`` to it as an operator meets it (a subprocess, its exit status and
+its stderr), with real etcd where the start gets that far.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from handlers.config import ConfigError, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def serve(env: dict[str, str], *, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """``persys-scheduler -insecure`` with ``env`` over a clean environment; until it exits."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("SCHEDULER_", "ETCD_", "PERSYS_", "LOG_", "GRPC_", "METRICS_"))}
+    return subprocess.run([sys.executable, "-m", "ops.cli", "-insecure"], cwd=ROOT,
+                          env={**base, **env}, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def test_log_settings_take_the_go_names_and_refuse_anything_else() -> None:
+    assert (load_settings({}).log_level, load_settings({}).log_format) == ("info", "json")
+    assert load_settings({"LOG_LEVEL": "WARN", "LOG_FORMAT": "Text"}).log_level == "warning"
+    assert load_settings({"LOG_LEVEL": "trace"}).log_level == "debug"
+    assert load_settings({"LOG_LEVEL": "fatal"}).log_level == "critical"
+    assert load_settings({"LOG_FORMAT": "text"}).log_format == "text"
+    with pytest.raises(ConfigError, match="LOG_LEVEL: 'loud' is not one of"):
+        load_settings({"LOG_LEVEL": "loud"})
+    with pytest.raises(ConfigError, match="LOG_FORMAT: 'xml' is not"):
+        load_settings({"LOG_FORMAT": "xml"})
+
+
+@pytest.mark.parametrize(("name", "value"), [("LOG_LEVEL", "loud"), ("LOG_FORMAT", "xml")])
+def test_serve_refuses_an_invalid_log_setting(name: str, value: str) -> None:
+    # etcd is never asked: the settings are refused first
+    done = serve({name: value, "ETCD_ENDPOINTS": "127.0.0.1:1"}, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert f"invalid configuration: {name}: {value!r}" in done.stderr
+    assert "Traceback" not in done.stderr
