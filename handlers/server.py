@@ -25,6 +25,7 @@ from eventsource.etcd import AsyncEtcd
 from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
+from eventsource.racing import race
 from eventsource.stream import RedisEventLog, StreamTailer, redis_url, writer_client
 from handlers.access import AgentRoleInterceptor
 from handlers.agents import AgentPool, TlsFiles
@@ -40,7 +41,7 @@ from handlers.grpcmetrics import ServerMetrics
 from handlers.http import HttpEndpoint
 from handlers.leadership import LeaderGate
 from handlers.looplag import GcPauses, probe_loop_lag
-from handlers.modes import ModeState
+from handlers.modes import DEGRADED, ModeState
 from handlers.nodes import NodeCommands
 from handlers.placer import Placer
 from handlers.servicer import ControlServicer
@@ -74,6 +75,23 @@ SERVER_OPTIONS = (
     # off, a 3 KB call cost the server 10-18% less CPU with 1,000 connected clients
     ("grpc.http2.bdp_probe", 0),
 )
+
+
+#: How long a start waits for the projections to load from etcd before it gives up.
+READY_TIMEOUT_S = 60.0
+
+
+class StartError(RuntimeError):
+    """The replica could not start; the message says what did not answer or could not be used."""
+
+
+async def _unless_stopped(stop: asyncio.Event | None, work: Coroutine[Any, Any, Any]) -> bool:
+    """Await ``work``; False, with ``work`` cancelled, when ``stop`` is set first."""
+    if stop is None:
+        await work
+        return True
+    finished, _ = await race(work, stop)
+    return finished
 
 
 def awaiting(task: asyncio.Task[Any]) -> str:
@@ -250,11 +268,16 @@ class Scheduler:
             "relay": str(relay_status),
         }
 
-    async def start(self, stop: asyncio.Event | None = None) -> None:
+    async def start(self, stop: asyncio.Event | None = None, *,
+                    ready_timeout: float = READY_TIMEOUT_S) -> None:
         """Start projections, background tasks, the gRPC server and the HTTP endpoint.
 
         With Vault certificates, the first one is issued before anything else (retried until it
-        is; ``stop`` set meanwhile ends the start early, with nothing started).
+        is). ``stop`` set while the start waits (for Vault, for etcd) ends it early, with
+        nothing serving; the caller then calls ``stop()`` as after any start.
+
+        Raises:
+            StartError: the projections did not load from etcd within ``ready_timeout``.
         """
         if self.certs is not None:
             if not await self.certs.ensure(stop=stop):
@@ -263,10 +286,8 @@ class Scheduler:
         self.tasks.start("projections", self.cluster.run)
         # the mode is known before anything can write: a cluster that must start in recovery
         # (marker, no state) must not take a registration first
-        try:
-            await self.supervisor.tick()
-        except StoreError as exc:
-            log.warning("first mode probe failed: %s", exc)
+        if not await _unless_stopped(stop, self._first_mode_probe()):
+            return
         self.tasks.start("mode-supervisor", self.supervisor.run)
         if self.tailer is not None:
             await self.tailer.start()
@@ -274,7 +295,11 @@ class Scheduler:
             self.relay = self._build_relay()
             if self.relay is not None:
                 self.tasks.start("relay", self.relay.run)
-        await self.cluster.wait_ready(timeout=60.0)
+        try:
+            if not await _unless_stopped(stop, self._projections_ready(ready_timeout)):
+                return
+        except TimeoutError:
+            raise StartError(self._not_ready(ready_timeout)) from None
         self.tasks.start("leader", self.leader.run)
         if self.usage_redis is not None:  # without Redis there is nothing to write usage to
             self.tasks.start("usage", self.usage.run)
@@ -295,6 +320,31 @@ class Scheduler:
             self.tasks.start("dns", self.dns.run)
         log.info("scheduler started instance_id=%s grpc_port=%d metrics_port=%d",
                  self.settings.instance_id, self.grpc_port, self.http.port)
+
+    async def _first_mode_probe(self) -> None:
+        try:
+            await self.supervisor.tick()
+        except StoreError as exc:
+            log.warning("first mode probe failed: %s", exc)
+
+    async def _projections_ready(self, timeout: float) -> None:
+        """``cluster.wait_ready`` that can be cancelled quietly: its ``gather`` inside
+        ``wait_for``, once cancelled, holds a CancelledError nobody retrieves, which asyncio
+        then logs with a traceback."""
+        waiters = [asyncio.ensure_future(p.ready.wait()) for p in self.cluster.projections]
+        try:
+            _, pending = await asyncio.wait(waiters, timeout=timeout)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if pending:
+            raise TimeoutError
+
+    def _not_ready(self, timeout: float) -> str:
+        endpoints = ",".join(self.settings.etcd_endpoints)
+        why = f": {self.mode.reason.rstrip(': ')}" if self.mode.mode == DEGRADED else ""
+        return (f"the cluster state did not load from etcd at {endpoints} (ETCD_ENDPOINTS) "
+                f"within {timeout:g}s{why}")
 
     def _build_relay(self) -> Any:
         try:
@@ -400,11 +450,16 @@ def build_cert_manager(settings: Settings, env: Mapping[str, str],
     return CertManager(config, VaultKV(config.vault, workers=1), metrics)
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    """Run one replica until ``stop`` is set."""
+async def serve(settings: Settings, stop: asyncio.Event, *,
+                ready_timeout: float = READY_TIMEOUT_S) -> None:
+    """Run one replica until ``stop`` is set (also while it starts).
+
+    Raises:
+        StartError: it could not start (see ``Scheduler.start``).
+    """
     scheduler = Scheduler(settings)
     try:
-        await scheduler.start(stop)
+        await scheduler.start(stop, ready_timeout=ready_timeout)
         await stop.wait()
     finally:
         await scheduler.stop()

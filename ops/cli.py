@@ -33,14 +33,26 @@ def _stop_event() -> asyncio.Event:
 
 async def _serve(settings: Settings) -> int:
     from handlers.looplag import tune_gc
-    from handlers.server import serve
 
     tune_gc()  # this process is the scheduler: its heap is the projections
+    return await run_replica(settings, _stop_event())
+
+
+async def run_replica(settings: Settings, stop: asyncio.Event, *,
+                      ready_timeout: float | None = None) -> int:
+    """``serve``'s exit status: 0 when stopped (also while starting), 2 on invalid settings,
+    1 when the replica could not start; the reason goes to stderr, never as a traceback."""
+    from handlers.server import READY_TIMEOUT_S, StartError, serve
+
     try:
-        await serve(settings, _stop_event())
+        await serve(settings, stop,
+                    ready_timeout=READY_TIMEOUT_S if ready_timeout is None else ready_timeout)
     except ConfigError as exc:  # settings read by the parts that need them (Vault, buckets)
         print(f"persys-scheduler: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    except StartError as exc:
+        print(f"persys-scheduler: not started: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

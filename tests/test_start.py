@@ -7,7 +7,9 @@ its stderr), with real etcd where the start gets that far.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from handlers.config import ConfigError, load_settings
+from ops.cli import run_replica
+from ops.devstack import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,3 +51,47 @@ def test_serve_refuses_an_invalid_log_setting(name: str, value: str) -> None:
     assert done.returncode == 2, done.stderr
     assert f"invalid configuration: {name}: {value!r}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def unreachable_etcd_env() -> dict[str, str]:
+    return {"ETCD_ENDPOINTS": f"127.0.0.1:{free_port()}", "GRPC_PORT": str(free_port()),
+            "METRICS_PORT": "0", "PERSYS_GRPC_ADDR": "127.0.0.1", "LOG_FORMAT": "text",
+            "LOG_LEVEL": "info"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_stop_signal_ends_a_start_that_waits_for_etcd(signum: int) -> None:
+    # etcd does not answer, so the start waits for the projections (60 s); it used to sit
+    # that out, signals or not, and then end in a TimeoutError traceback
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SCHEDULER_", "ETCD_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "-insecure"], cwd=ROOT,
+                            env={**base, **unreachable_etcd_env()}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # blocks until the replica found etcd unreachable
+            seen.append(line)
+            if "to=degraded" in line:
+                break
+        assert proc.poll() is None, "".join(seen)
+        proc.send_signal(signum)
+        rest = proc.communicate(timeout=15)[1]
+        assert proc.returncode == 0, rest
+        assert "Traceback" not in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_a_start_that_times_out_names_the_etcd_it_waited_for(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    env = unreachable_etcd_env()
+    settings = load_settings(env, insecure=True)
+    status = await run_replica(settings, asyncio.Event(), ready_timeout=1.0)
+    err = capsys.readouterr().err
+    assert status == 1, err
+    assert (f"persys-scheduler: not started: the cluster state did not load from etcd at "
+            f"{env['ETCD_ENDPOINTS']} (ETCD_ENDPOINTS) within 1s: etcd unreachable") in err
