@@ -28,8 +28,19 @@ class HttpEndpoint:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port)
+    async def start(self, host: str, port: int, *, serving: bool = True) -> None:
+        """Listen on ``host:port``; with ``serving=False`` connections wait in the backlog
+        until ``start_serving``.
+
+        Raises:
+            OSError: the address cannot be listened on (``socket.gaierror``: no such host).
+        """
+        self._server = await asyncio.start_server(self._handle, host, port,
+                                                  start_serving=serving)
+
+    async def start_serving(self) -> None:
+        assert self._server is not None, "start first"
+        await self._server.start_serving()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

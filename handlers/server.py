@@ -9,8 +9,10 @@ shutdown, in this order: stop accepting RPCs -> stop leader loops and the relay 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
@@ -74,6 +76,10 @@ SERVER_OPTIONS = (
     # requests are small (a heartbeat is a few KB): bandwidth-delay probing only adds pings;
     # off, a 3 KB call cost the server 10-18% less CPU with 1,000 connected clients
     ("grpc.http2.bdp_probe", 0),
+    # grpc sets SO_REUSEPORT by default, so a server on a port another process already serves
+    # binds it too (two grpc.aio servers on one port both bound, measured) and the kernel
+    # splits new connections between them: a second scheduler on 8085 must fail instead
+    ("grpc.so_reuseport", 0),
 )
 
 
@@ -83,6 +89,51 @@ READY_TIMEOUT_S = 60.0
 
 class StartError(RuntimeError):
     """The replica could not start; the message says what did not answer or could not be used."""
+
+
+class ListenError(StartError):
+    """A listener could not be opened; ``variable`` names the setting to change."""
+
+    def __init__(self, message: str, *, variable: str) -> None:
+        super().__init__(message)
+        self.variable = variable
+
+
+def _bind_problem(host: str, port: int) -> OSError | None:
+    """Why ``host:port`` cannot be bound, found by trying (grpc's own error says only "Failed
+    to bind"); None when it can be bound now."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return exc
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                return exc
+    return None
+
+
+def listen_error(what: str, host: str, port: int, problem: OSError | None, *, host_var: str,
+                 port_var: str) -> ListenError:
+    """The error for a listener that could not be opened, naming the setting at fault."""
+    where = f"{host}:{port}"
+    if isinstance(problem, socket.gaierror):
+        variable, why = host_var, f"{host!r} is not an address ({problem.strerror})"
+    elif problem is not None and problem.errno == errno.EADDRINUSE:
+        variable, why = port_var, f"port {port} is in use by another process"
+    elif problem is not None and problem.errno == errno.EADDRNOTAVAIL:
+        variable, why = host_var, f"{host} is not an address of this machine"
+    elif problem is not None and problem.errno == errno.EACCES:
+        variable, why = port_var, f"port {port} needs privileges this process does not have"
+    else:
+        variable = f"{host_var}/{port_var}"
+        why = problem.strerror if problem is not None and problem.strerror else "bind failed"
+    return ListenError(f"{variable}: the {what} cannot listen on {where}: {why}",
+                       variable=variable)
 
 
 async def _unless_stopped(stop: asyncio.Event | None, work: Coroutine[Any, Any, Any]) -> bool:
@@ -234,6 +285,8 @@ class Scheduler:
         self.tasks = TaskOwner()
         self.gc_pauses = GcPauses(self.metrics.gc_pause)
         self.grpc_server: grpc.aio.Server | None = None
+        #: the gRPC server between taking its port and serving (``start``)
+        self._grpc_bound: grpc.aio.Server | None = None
         self.dns: DnsRegistration | None = None
         self.grpc_port = 0
         self.health_servicer = health.aio.HealthServicer()
@@ -276,18 +329,32 @@ class Scheduler:
         is). ``stop`` set while the start waits (for Vault, for etcd) ends it early, with
         nothing serving; the caller then calls ``stop()`` as after any start.
 
+        The gRPC and HTTP ports are taken first, before any election (leader, relay) or DNS
+        record, and served only once the replica is ready.
+
         Raises:
+            ListenError: a port could not be had (the message names the setting).
             StartError: the projections did not load from etcd within ``ready_timeout``.
         """
         if self.certs is not None:
             if not await self.certs.ensure(stop=stop):
                 return
             self.tasks.start("certs", self.certs.run)
+        await self._open_listeners()
+        started = False
+        try:
+            started = await self._start_listening(stop, ready_timeout)
+        finally:
+            if not started:
+                await self._close_unstarted_grpc()
+
+    async def _start_listening(self, stop: asyncio.Event | None, ready_timeout: float) -> bool:
+        """The rest of ``start`` once the ports are taken; False when ``stop`` ended it."""
         self.tasks.start("projections", self.cluster.run)
         # the mode is known before anything can write: a cluster that must start in recovery
         # (marker, no state) must not take a registration first
         if not await _unless_stopped(stop, self._first_mode_probe()):
-            return
+            return False
         self.tasks.start("mode-supervisor", self.supervisor.run)
         if self.tailer is not None:
             await self.tailer.start()
@@ -297,7 +364,7 @@ class Scheduler:
                 self.tasks.start("relay", self.relay.run)
         try:
             if not await _unless_stopped(stop, self._projections_ready(ready_timeout)):
-                return
+                return False
         except TimeoutError:
             raise StartError(self._not_ready(ready_timeout)) from None
         self.tasks.start("leader", self.leader.run)
@@ -306,8 +373,7 @@ class Scheduler:
         self.tasks.start("loop-lag", lambda: probe_loop_lag(self.metrics.event_loop_lag))
         self.gc_pauses.install()
         await self._start_grpc()
-        await self.http.start(self.settings.metrics_addr or self.settings.grpc_addr,
-                              self.settings.metrics_port)
+        await self.http.start_serving()
         if self.settings.dns_enabled:
             port = self.settings.advertise_port
             if not port or port == self.settings.grpc_port:
@@ -320,6 +386,40 @@ class Scheduler:
             self.tasks.start("dns", self.dns.run)
         log.info("scheduler started instance_id=%s grpc_port=%d metrics_port=%d",
                  self.settings.instance_id, self.grpc_port, self.http.port)
+        return True
+
+    async def _open_listeners(self) -> None:
+        """Take the gRPC and HTTP ports, serving neither yet."""
+        s = self.settings
+        server = self._build_grpc()
+        address = f"{s.grpc_addr}:{s.grpc_port}"
+        try:
+            if s.insecure:
+                port = server.add_insecure_port(address)
+            else:
+                creds = ServerCertificates(s.tls_ca, s.tls_cert, s.tls_key).credentials()
+                port = server.add_secure_port(address, creds)
+        except RuntimeError:  # grpc says only "Failed to bind to address"
+            raise listen_error("gRPC server", s.grpc_addr, s.grpc_port,
+                               _bind_problem(s.grpc_addr, s.grpc_port),
+                               host_var="PERSYS_GRPC_ADDR", port_var="GRPC_PORT") from None
+        self._grpc_bound, self.grpc_port = server, port
+        host = s.metrics_addr or s.grpc_addr
+        try:
+            await self.http.start(host, s.metrics_port, serving=False)
+        except OSError as exc:  # socket.gaierror too
+            await self._close_unstarted_grpc()
+            raise listen_error("metrics endpoint", host, s.metrics_port, exc,
+                               host_var="SCHEDULER_METRICS_ADDR" if s.metrics_addr
+                               else "PERSYS_GRPC_ADDR", port_var="METRICS_PORT") from None
+
+    async def _close_unstarted_grpc(self) -> None:
+        """Give back a port taken by ``_open_listeners`` (a grpc server that never started
+        keeps its socket open through ``stop``: started and stopped, it closes it)."""
+        server, self._grpc_bound = self._grpc_bound, None
+        if server is not None:
+            await server.start()
+            await server.stop(None)
 
     async def _first_mode_probe(self) -> None:
         try:
@@ -362,7 +462,7 @@ class Scheduler:
             renew_deadline=self.settings.leader_renew_deadline_s,
         )
 
-    async def _start_grpc(self) -> None:
+    def _build_grpc(self) -> grpc.aio.Server:
         interceptors: list[grpc.aio.ServerInterceptor] = [
             ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration)]
         if not self.settings.insecure:
@@ -377,13 +477,12 @@ class Scheduler:
         service_name = control_pb2.DESCRIPTOR.services_by_name["AgentControl"].full_name
         reflection.enable_server_reflection(
             (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        address = f"{self.settings.grpc_addr}:{self.settings.grpc_port}"
-        if self.settings.insecure:
-            self.grpc_port = server.add_insecure_port(address)
-        else:
-            s = self.settings
-            creds = ServerCertificates(s.tls_ca, s.tls_cert, s.tls_key).credentials()
-            self.grpc_port = server.add_secure_port(address, creds)
+        return server
+
+    async def _start_grpc(self) -> None:
+        server, self._grpc_bound = self._grpc_bound, None
+        assert server is not None, "_open_listeners first"
+        service_name = control_pb2.DESCRIPTOR.services_by_name["AgentControl"].full_name
         await server.start()
         await self.health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)

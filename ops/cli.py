@@ -40,14 +40,18 @@ async def _serve(settings: Settings) -> int:
 
 async def run_replica(settings: Settings, stop: asyncio.Event, *,
                       ready_timeout: float | None = None) -> int:
-    """``serve``'s exit status: 0 when stopped (also while starting), 2 on invalid settings,
-    1 when the replica could not start; the reason goes to stderr, never as a traceback."""
-    from handlers.server import READY_TIMEOUT_S, StartError, serve
+    """``serve``'s exit status: 0 when stopped (also while starting), 2 on invalid settings
+    (an address it cannot listen on included), 1 when the replica could not start; the reason
+    goes to stderr, never as a traceback."""
+    from handlers.server import READY_TIMEOUT_S, ListenError, StartError, serve
 
     try:
         await serve(settings, stop,
                     ready_timeout=READY_TIMEOUT_S if ready_timeout is None else ready_timeout)
     except ConfigError as exc:  # settings read by the parts that need them (Vault, buckets)
+        print(f"persys-scheduler: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except ListenError as exc:
         print(f"persys-scheduler: invalid configuration: {exc}", file=sys.stderr)
         return 2
     except StartError as exc:

@@ -10,15 +10,20 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 import pytest
 
 from handlers.config import ConfigError, load_settings
 from ops.cli import run_replica
-from ops.devstack import free_port
+from ops.devstack import EtcdProcess, etcd_revision, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,3 +100,64 @@ async def test_a_start_that_times_out_names_the_etcd_it_waited_for(
     assert status == 1, err
     assert (f"persys-scheduler: not started: the cluster state did not load from etcd at "
             f"{env['ETCD_ENDPOINTS']} (ETCD_ENDPOINTS) within 1s: etcd unreachable") in err
+
+
+@contextmanager
+def port_taken(holder: str) -> Iterator[int]:
+    """A loopback port something else listens on: a plain socket, or a grpc server (which,
+    like every grpc server by default, sets SO_REUSEPORT)."""
+    if holder == "socket":
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            yield sock.getsockname()[1]
+        return
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    try:
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        yield port
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("holder", ["socket", "grpc"])
+def test_a_taken_grpc_port_stops_the_start_before_etcd_is_touched(
+        holder: str, etcd_private: EtcdProcess) -> None:
+    # the listeners are opened first: no election, no mode marker, nothing written to etcd;
+    # with grpc's default SO_REUSEPORT a second scheduler on the port of a running one (a
+    # grpc server) used to bind it as well and share its connections
+    before = etcd_revision(etcd_private.url)
+    with port_taken(holder) as port:
+        done = serve({"ETCD_ENDPOINTS": etcd_private.endpoint, "GRPC_PORT": str(port),
+                      "METRICS_PORT": "0", "PERSYS_GRPC_ADDR": "127.0.0.1"}, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert (f"persys-scheduler: invalid configuration: GRPC_PORT: the gRPC server cannot "
+            f"listen on 127.0.0.1:{port}: port {port} is in use by another process"
+            in done.stderr)
+    assert "Traceback" not in done.stderr
+    assert etcd_revision(etcd_private.url) == before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("name", "value", "why"), [
+    ("PERSYS_GRPC_ADDR", "999.1.1.1", "the gRPC server cannot listen on 999.1.1.1:{grpc}: "
+                                      "'999.1.1.1' is not an address"),
+    ("SCHEDULER_METRICS_ADDR", "nope.invalid", "the metrics endpoint cannot listen on "
+                                               "nope.invalid:0: 'nope.invalid' is not an "
+                                               "address"),
+    ("METRICS_PORT", "{taken}", "the metrics endpoint cannot listen on 127.0.0.1:{taken}: "
+                                "port {taken} is in use by another process"),
+])
+def test_an_address_that_cannot_be_listened_on_is_named(name: str, value: str,
+                                                        why: str) -> None:
+    # etcd does not answer, so a start that got as far as etcd would wait there for a minute
+    env = unreachable_etcd_env()
+    with port_taken("socket") as taken:
+        env[name] = value.format(taken=taken)
+        done = serve(env, timeout=30)
+    assert done.returncode == 2, done.stderr
+    expected = why.format(taken=taken, grpc=env["GRPC_PORT"])
+    assert f"persys-scheduler: invalid configuration: {name}: {expected}" in done.stderr
+    assert "Traceback" not in done.stderr
