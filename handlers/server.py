@@ -92,11 +92,13 @@ class StartError(RuntimeError):
 
 
 class ListenError(StartError):
-    """A listener could not be opened; ``variable`` names the setting to change."""
+    """A listener could not be opened: ``variable`` names the setting to change, ``detail``
+    says what went wrong (the message is both)."""
 
-    def __init__(self, message: str, *, variable: str) -> None:
-        super().__init__(message)
+    def __init__(self, *, variable: str, detail: str) -> None:
+        super().__init__(f"{variable}: {detail}")
         self.variable = variable
+        self.detail = detail
 
 
 def _bind_problem(host: str, port: int) -> OSError | None:
@@ -132,8 +134,7 @@ def listen_error(what: str, host: str, port: int, problem: OSError | None, *, ho
     else:
         variable = f"{host_var}/{port_var}"
         why = problem.strerror if problem is not None and problem.strerror else "bind failed"
-    return ListenError(f"{variable}: the {what} cannot listen on {where}: {why}",
-                       variable=variable)
+    return ListenError(variable=variable, detail=f"the {what} cannot listen on {where}: {why}")
 
 
 async def _unless_stopped(stop: asyncio.Event | None, work: Coroutine[Any, Any, Any]) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -73,12 +74,74 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run(lambda: _serve(settings), settings.event_loop)
 
 
+#: In a ``dev`` data directory: the ports its etcd and Redis listened on, which the next run
+#: on that directory takes again. Why: the etcd member stored there advertises the peer URL of
+#: its first run (a restarted member keeps it), and a client pointed at the stack keeps working.
+DEV_PORTS_FILE = "dev-ports.json"
+_DEV_PORT_KEYS = ("etcd_client", "etcd_peer", "redis")
+
+
+class DevError(Exception):
+    """``dev`` cannot go on; the message says why and what to do."""
+
+
+def _saved_ports(data_dir: Path) -> dict[str, int]:
+    """The ports saved in ``data_dir`` by an earlier run (empty for a fresh directory)."""
+    path = data_dir / DEV_PORTS_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        if (data_dir / "etcd" / "member").exists():
+            raise DevError(
+                f"{data_dir / 'etcd'} holds an etcd member whose ports were not recorded (a run "
+                f"before {DEV_PORTS_FILE} existed): remove {data_dir}, or give another "
+                "--data-dir") from None
+        return {}
+    except (OSError, ValueError) as exc:
+        raise DevError(f"{path}: unreadable ({exc}); remove {data_dir} or give another "
+                       "--data-dir") from None
+    if not (isinstance(saved, dict) and all(
+            isinstance(saved.get(k), int) and 0 < saved[k] < 65536 for k in _DEV_PORT_KEYS)):
+        raise DevError(f"{path}: not the ports of an earlier run; remove {data_dir} or give "
+                       "another --data-dir")
+    return {k: int(saved[k]) for k in _DEV_PORT_KEYS}
+
+
+def _dev_settings(args: argparse.Namespace) -> Settings:
+    """The scheduler's settings for ``dev`` (etcd and Redis addresses filled in later).
+
+    Raises:
+        ConfigError: an environment variable dev passes on is invalid.
+    """
+    env = dict(os.environ)
+    env.update({
+        "ETCD_ENDPOINTS": "127.0.0.1:2379",
+        "REDIS_ADDR": "127.0.0.1:6379",
+        "PERSYS_GRPC_ADDR": "127.0.0.1",
+        "SCHEDULER_HEARTBEAT_INTERVAL": env.get("SCHEDULER_HEARTBEAT_INTERVAL", "10"),
+        "SCHEDULER_NODE_LEASE_TTL": env.get("SCHEDULER_NODE_LEASE_TTL", "30"),
+        "LOG_FORMAT": env.get("LOG_FORMAT", "text"),
+        "LOG_LEVEL": env.get("LOG_LEVEL", "warning"),
+    })
+    return load_settings(env, insecure=True).with_overrides(
+        grpc_port=8085 if args.grpc_port is None else args.grpc_port,
+        metrics_port=args.metrics_port,
+    )
+
+
 async def _dev(args: argparse.Namespace) -> int:
+    from eventsource.racing import race
     from handlers.looplag import tune_gc
-    from handlers.server import Scheduler
-    from ops.devstack import EtcdProcess, RedisProcess
+    from handlers.server import ListenError, Scheduler, StartError
+    from ops.devstack import EtcdProcess, RedisProcess, ServerStartError
     from ops.sim import Fleet, NodeBehaviour
 
+    try:  # before anything is started: a bad value leaves nothing behind
+        settings = _dev_settings(args)
+    except ConfigError as exc:
+        print(f"persys-scheduler dev: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
     tune_gc()
     # a directory of our own making is removed on exit; one the user named is kept
     owned_dir = not args.data_dir
@@ -86,42 +149,72 @@ async def _dev(args: argparse.Namespace) -> int:
         prefix="persys-dev-"))
     data_dir.mkdir(parents=True, exist_ok=True)
     stop = _stop_event()
-    etcd = EtcdProcess()
-    redis = RedisProcess()
+    etcd: EtcdProcess | None = None
+    redis: RedisProcess | None = None
     scheduler: Scheduler | None = None
     fleet: Fleet | None = None
     try:
-        etcd.start(data_dir / "etcd")
-        redis.start(data_dir / "redis", appendonly=True)
-        env = dict(os.environ)
-        env.update({
-            "ETCD_ENDPOINTS": etcd.endpoint,
-            "REDIS_ADDR": redis.addr,
-            "PERSYS_GRPC_ADDR": "127.0.0.1",
-            "SCHEDULER_HEARTBEAT_INTERVAL": env.get("SCHEDULER_HEARTBEAT_INTERVAL", "10"),
-            "SCHEDULER_NODE_LEASE_TTL": env.get("SCHEDULER_NODE_LEASE_TTL", "30"),
-            "LOG_FORMAT": env.get("LOG_FORMAT", "text"),
-            "LOG_LEVEL": env.get("LOG_LEVEL", "warning"),
-        })
         try:
-            settings = load_settings(env, insecure=True)
-        except ConfigError as exc:
+            ports = _saved_ports(data_dir)
+            etcd = EtcdProcess()
+            etcd.start(data_dir / "etcd", client_port=ports.get("etcd_client", 0),
+                       peer_port=ports.get("etcd_peer", 0))
+            redis = RedisProcess()
+            redis.start(data_dir / "redis", port=ports.get("redis", 0), appendonly=True)
+        except DevError as exc:
+            print(f"persys-scheduler dev: {exc}", file=sys.stderr)
+            return 1
+        except ServerStartError as exc:
+            hint = (f"\n(the ports are those of the earlier run, kept in "
+                    f"{data_dir / DEV_PORTS_FILE}: is another dev running on this data "
+                    "directory?)" if ports else "")
+            print(f"persys-scheduler dev: {exc}{hint}", file=sys.stderr)
+            return 1
+        except RuntimeError as exc:  # no etcd or redis-server binary
+            print(f"persys-scheduler dev: {exc}", file=sys.stderr)
+            return 1
+        (data_dir / DEV_PORTS_FILE).write_text(json.dumps(
+            {"etcd_client": etcd.client_port, "etcd_peer": etcd.peer_port,
+             "redis": redis.port}) + "\n")
+        if stop.is_set():  # Ctrl-C while the servers started (that blocks the loop)
+            return 0
+        settings = settings.with_overrides(etcd_endpoints=(etcd.endpoint,),
+                                           redis_addr=redis.addr)
+        try:
+            scheduler = Scheduler(settings)
+            await scheduler.start(stop)
+        except ConfigError as exc:  # settings read by the parts that need them
             print(f"persys-scheduler dev: invalid configuration: {exc}", file=sys.stderr)
             return 2
-        settings = settings.with_overrides(
-            grpc_port=8085 if args.grpc_port is None else args.grpc_port,
-            metrics_port=args.metrics_port,
-        )
-        configure_logging(settings.log_level, settings.log_format)
-        scheduler = Scheduler(settings)
-        await scheduler.start()
+        except ListenError as exc:
+            flag = {"GRPC_PORT": "--grpc-port", "METRICS_PORT": "--metrics-port"}.get(
+                exc.variable)
+            if flag is None:
+                print(f"persys-scheduler dev: {exc}", file=sys.stderr)
+            else:
+                print(f"persys-scheduler dev: {exc.detail}; pass {flag} 0 to pick a free port",
+                      file=sys.stderr)
+            return 2
+        except StartError as exc:
+            print(f"persys-scheduler dev: not started: {exc}", file=sys.stderr)
+            return 1
+        if stop.is_set():
+            return 0
         address = f"127.0.0.1:{scheduler.grpc_port}"
         if args.nodes > 0:
             fleet = Fleet(address, count=args.nodes, behaviour=NodeBehaviour(), seed=1)
             await fleet.start()
-            await asyncio.wait_for(fleet.wait_registered(), timeout=60)
+            try:
+                registered, _ = await race(asyncio.wait_for(fleet.wait_registered(), 60), stop)
+            except TimeoutError:
+                print("persys-scheduler dev: the simulated nodes did not register within 60s",
+                      file=sys.stderr)
+                return 1
+            if not registered:
+                return 0
         print(f"persys-scheduler dev: ready grpc={address} "
-              f"metrics=127.0.0.1:{scheduler.http.port}", flush=True)
+              f"metrics=127.0.0.1:{scheduler.http.port} etcd={etcd.endpoint} "
+              f"redis={redis.addr}", flush=True)
         await stop.wait()
         return 0
     finally:
@@ -129,8 +222,10 @@ async def _dev(args: argparse.Namespace) -> int:
             await fleet.stop()
         if scheduler is not None:
             await scheduler.stop()
-        redis.stop()
-        etcd.stop()
+        if redis is not None:
+            redis.stop()
+        if etcd is not None:
+            etcd.stop()
         if owned_dir:
             shutil.rmtree(data_dir, ignore_errors=True)
 
@@ -185,7 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="gRPC port (default 8085; 0 picks a free one)")
     dev.add_argument("--metrics-port", type=int, default=0,
                      help="HTTP port for /metrics and /health (default: a free one)")
-    dev.add_argument("--data-dir", default=None, help="where etcd and Redis keep their data")
+    dev.add_argument("--data-dir", default=None,
+                     help="where etcd and Redis keep their data (default: a temporary directory, "
+                          "removed on exit); a later run on the same directory keeps its state "
+                          "and ports")
     dev.set_defaults(func=cmd_dev)
     sim = sub.add_parser("sim", help="a simulated fleet of compute agents")
     add_sim_arguments(sim)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -75,3 +79,98 @@ async def test_dev_stack_runs_20_nodes_and_stops_everything(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _start_dev(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "dev", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LOG_LEVEL": "warning", **(env or {})})
+
+
+def _ready_line(proc: subprocess.Popen[str]) -> dict[str, str]:
+    """The addresses of the ready line (``grpc``, ``metrics``, ``etcd``, ``redis``)."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("persys-scheduler dev: ready "):
+        proc.kill()
+        raise AssertionError(f"no ready line: {line!r}; exit {proc.wait()}; "
+                             f"{proc.communicate()[1]}")
+    return dict(word.split("=", 1) for word in line.split()[3:])
+
+
+def _interrupt(proc: subprocess.Popen[str]) -> str:
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, err
+    return err
+
+
+def _stores_answer(addresses: dict[str, str]) -> None:
+    with urllib.request.urlopen(f"http://{addresses['etcd']}/health", timeout=5) as resp:
+        assert json.loads(resp.read())["health"] == "true"
+    host, port = addresses["redis"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"PING\r\n")
+        assert sock.recv(64).startswith(b"+PONG")
+
+
+@pytest.mark.timeout(180)
+async def test_a_named_data_dir_is_used_again_with_the_same_addresses(tmp_path):
+    # the etcd member in the directory advertises the peer URL of its first run: the second
+    # run used to pick new ports, and the member check refused its own etcd
+    data_dir = tmp_path / "dev"
+    first = _start_dev("--nodes", "1", "--grpc-port", "0", "--data-dir", str(data_dir))
+    try:
+        addresses = _ready_line(first)
+        # the ready line names etcd and Redis, for replay and confirm-empty-state
+        assert set(addresses) == {"grpc", "metrics", "etcd", "redis"}
+        _stores_answer(addresses)
+        async with control_stub(addresses["grpc"]) as stub:
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="kept", spec=container_spec()))
+            assert resp.success, resp.error_message
+        _interrupt(first)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    second = _start_dev("--nodes", "1", "--grpc-port", "0", "--data-dir", str(data_dir))
+    try:
+        again = _ready_line(second)
+        assert (again["etcd"], again["redis"]) == (addresses["etcd"], addresses["redis"])
+        async with control_stub(again["grpc"]) as stub:
+            kept = await stub.GetWorkload(pb.GetWorkloadRequest(workload_id="kept"))
+            assert kept.workload.workload_id == "kept"
+        assert "Traceback" not in _interrupt(second)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_does_not_start_is_reported_without_a_traceback(tmp_path):
+    proc = _start_dev("--nodes", "0", "--grpc-port", "0", "--data-dir", str(tmp_path / "dev"),
+                      env={"PERSYS_ETCD_BIN": shutil.which("false") or "/bin/false"})
+    err = proc.communicate(timeout=45)[1]
+    assert proc.returncode == 1, err
+    assert err.startswith("persys-scheduler dev: etcd ("), err
+    assert "exited before it became healthy" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_grpc_port_suggests_picking_a_free_one(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _start_dev("--nodes", "0", "--grpc-port", str(port),
+                          "--data-dir", str(tmp_path / "dev"))
+        err = proc.communicate(timeout=45)[1]
+    assert proc.returncode == 2, err
+    assert (f"persys-scheduler dev: the gRPC server cannot listen on 127.0.0.1:{port}: port "
+            f"{port} is in use by another process; pass --grpc-port 0 to pick a free port"
+            in err)
+    assert "Traceback" not in err
