@@ -316,9 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or (args_list[0].startswith("-") and args_list[0] not in ("-h", "--help")):
         args_list = ["serve", *args_list]
-    parser = build_parser()
-    args = parser.parse_args(args_list)
-    result: int = args.func(args)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(args_list)
+        result: int = args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command installs its own handling (the imports take a second or
+        # two), or one the command leaves to its caller; what it started it has stopped
+        print("persys-scheduler: interrupted", file=sys.stderr)
+        return 130
     return result
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import container_spec, control_stub
-from tests.fixtures.waiting import wait_for
+from tests.fixtures.waiting import wait_for, wait_for_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,3 +174,35 @@ def test_a_taken_grpc_port_suggests_picking_a_free_one(tmp_path):
             f"{port} is in use by another process; pass --grpc-port 0 to pick a free port"
             in err)
     assert "Traceback" not in err
+
+
+def _loaded(pid: int, library: str) -> bool:
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_dev_imports_its_modules_ends_without_a_traceback():
+    # a terminal's Ctrl-C reaches a process whose SIGINT is at its default; a test runner in
+    # the background may have it ignored, which its children would inherit
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = _start_dev("--nodes", "0", "--grpc-port", "0")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        # grpc's extension is loaded by the first of the command's own imports, a second or
+        # so before it has anything running or a signal handler of its own
+        wait_for_sync(lambda: _loaded(proc.pid, "cygrpc") or proc.poll() is not None,
+                      timeout=30, interval=0.005, message="dev importing grpc")
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=30)[1]
+        assert proc.returncode == 130, err
+        assert err.endswith("persys-scheduler: interrupted\n"), err
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
