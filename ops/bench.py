@@ -39,7 +39,7 @@ from ops.benchlib.stack import NODES_PER_SIM_PROCESS, Stack, StackError, StackOp
 from ops.benchlib.workloads import run_prefix
 from ops.devstack import ServerStartError
 
-__all__ = ["add_bench_arguments", "cmd_bench"]
+__all__ = ["add_bench_arguments", "apply_defaults", "cmd_bench"]
 
 
 def _positive_int(text: str) -> int:
@@ -95,9 +95,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                       help="workloads to apply (default 1000)")
     size.add_argument("--clients", type=_positive_int, default=16,
                       help="concurrent API callers, spread over the replicas (default 16)")
-    size.add_argument("--replicas", type=_positive_int, default=1,
-                      help="scheduler processes: active-active shards in place, reconcile and "
-                           "churn; replicas of one shard in failover (default 1)")
+    size.add_argument("--replicas", type=_positive_int, default=None,
+                      help="scheduler processes: active-active shards in place, reconcile, "
+                           "churn and events; replicas of one shard in failover (default 1; "
+                           "failover: 2, the fewest it can kill a leader among)")
     size.add_argument("--seed", type=int, default=1, help="seed of sizes and choices (default 1)")
     size.add_argument("--cycles", type=_positive_int, default=3,
                       help="reconcile: steady cycles to observe per replica (default 3)")
@@ -143,6 +144,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="its SCHEDULER_ETCD_ROOT (default '')")
     parser.add_argument("--json", action="store_true",
                         help="end the output with one JSON line (BENCH.md)")
+
+
+def apply_defaults(args: argparse.Namespace, scenario: Scenario) -> None:
+    """Fill in the defaults that depend on the scenario (``--replicas``)."""
+    if args.replicas is None:
+        args.replicas = scenario.min_replicas
 
 
 def _stack_options(args: argparse.Namespace, scenario: Scenario) -> StackOptions:
@@ -239,9 +246,15 @@ def render_table(result: dict[str, Any]) -> str:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run one scenario; 0 when it ran (whatever it measured), 1 on failure, 2 on misuse."""
     scenario = SCENARIOS[args.scenario]
+    apply_defaults(args, scenario)
     if args.scheduler and scenario.kills_processes:
         print(f"persys-scheduler bench: {scenario.name} kills scheduler processes; it refuses to "
               "run against --scheduler (a system it did not start)", file=sys.stderr)
+        return 2
+    if not args.scheduler and args.replicas < scenario.min_replicas:
+        print(f"persys-scheduler bench: {scenario.name} needs --replicas "
+              f"{scenario.min_replicas} or more, not {args.replicas} ({scenario.name}: "
+              f"{scenario.summary})", file=sys.stderr)
         return 2
     if scenario.ha == "failover" and args.sim_processes > 1:
         print(f"persys-scheduler bench: {scenario.name} runs the fleet in one process: its "

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from ops.bench import apply_defaults
 from ops.benchlib.etcdwatch import key_group
 from ops.benchlib.fleetstats import merge_fleet_stats
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import bucket_quantile, percentile
+from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.stack import Stack, StackOptions
 from ops.cli import build_parser
 
@@ -287,3 +289,17 @@ def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixtu
         build_parser().parse_args([command, "--help"])
     assert ended.value.code == 0
     assert f"persys-scheduler {command}" in capsys.readouterr().out
+
+
+def test_failover_needs_two_replicas_and_defaults_to_them(capsys) -> None:
+    # it used to start the whole stack with one replica and then fail with a traceback
+    args = build_parser().parse_args(["bench", "failover", "--replicas", "1"])
+    assert args.func(args) == 2
+    assert ("persys-scheduler bench: failover needs --replicas 2 or more"
+            in capsys.readouterr().err)
+    args = build_parser().parse_args(["bench", "failover"])
+    apply_defaults(args, SCENARIOS["failover"])
+    assert args.replicas == 2
+    args = build_parser().parse_args(["bench", "place"])
+    apply_defaults(args, SCENARIOS["place"])
+    assert args.replicas == 1

@@ -89,4 +89,5 @@ async def run(ctx: BenchContext) -> Outcome:
 
 
 SCENARIO = Scenario(name="failover", summary="kill -9 the leader; time until a standby "
-                    "reconciles", figures=FIGURES, run=run, ha="failover", kills_processes=True)
+                    "reconciles", figures=FIGURES, run=run, ha="failover",
+                    kills_processes=True, min_replicas=2)

@@ -62,6 +62,8 @@ class Scenario:
     kills_processes: bool = False
     #: Applies ``--workloads`` workloads (the report's "workloads" is 0 otherwise).
     uses_workloads: bool = True
+    #: The fewest scheduler processes it can measure anything with; also its default.
+    min_replicas: int = 1
 
 
 @dataclass
