@@ -130,7 +130,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{NODES_PER_SIM_PROCESS:,} nodes; failover: always one), so that one "
                             "process's event loop answering every ListWorkloads is not what the "
                             "bench measures")
-    stack.add_argument("--keep", action="store_true", help="keep the run's logs and data")
+    stack.add_argument("--keep", action="store_true",
+                       help="keep the run's directory (logs, etcd and Redis data); a run whose "
+                            "start failed keeps it anyway, an interrupted one removes it")
     target = parser.add_argument_group("an existing target (the bench then starts only the fleet)")
     target.add_argument("--scheduler", type=_addresses, default=None, metavar="HOST:PORT[,...]",
                         help="gRPC address(es) of a running persys-compatible scheduler")

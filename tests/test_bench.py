@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -303,3 +304,33 @@ def test_failover_needs_two_replicas_and_defaults_to_them(capsys) -> None:
     args = build_parser().parse_args(["bench", "place"])
     apply_defaults(args, SCENARIOS["place"])
     assert args.replicas == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_run_interrupted_while_it_starts_leaves_no_directory(signum, tmp_path):
+    # an interrupt is no failure: the run's directory (etcd's and Redis's data, the logs)
+    # used to be kept, as after a failed start, and piled up under /tmp
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "bench", "place", *FAST],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "TMPDIR": str(tmp_path)})
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # blocks until the bench starts its stack
+            if line.startswith("bench: starting"):
+                break
+        assert list(tmp_path.glob("persys-bench-*")), "the run's directory is not there"
+        proc.send_signal(signum)
+        rest = proc.communicate(timeout=60)[1]
+        assert proc.returncode in (130, 143), rest
+        assert "logs kept" not in rest
+        assert list(tmp_path.glob("persys-bench-*")) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

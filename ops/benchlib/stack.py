@@ -146,8 +146,10 @@ class Stack:
                 await self._start_schedulers()
             await self._start_fleet()
             await self._wait_registered()
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise  # Ctrl-C or SIGTERM: nothing failed, so stop() removes the run's directory
         except BaseException:
-            self._failed = True
+            self._failed = True  # its logs tell why: stop() keeps the directory
             raise
 
     def _start_stores(self) -> None:
