@@ -35,7 +35,13 @@ from handlers.eventloop import run as run_loop
 from ops.benchlib.clients import ApiClients
 from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.scenario import BenchContext, Outcome, Scenario
-from ops.benchlib.stack import NODES_PER_SIM_PROCESS, Stack, StackError, StackOptions
+from ops.benchlib.stack import (
+    DEFAULT_NODE_PREFIX,
+    NODES_PER_SIM_PROCESS,
+    Stack,
+    StackError,
+    StackOptions,
+)
 from ops.benchlib.workloads import run_prefix
 from ops.devstack import ServerStartError
 
@@ -135,7 +141,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                             "start failed keeps it anyway, an interrupted one removes it")
     target = parser.add_argument_group("an existing target (the bench then starts only the fleet)")
     target.add_argument("--scheduler", type=_addresses, default=None, metavar="HOST:PORT[,...]",
-                        help="gRPC address(es) of a running persys-compatible scheduler")
+                        help="gRPC address(es) of a running persys-compatible scheduler on this "
+                             "machine; the bench's nodes get ids of their own "
+                             "(bench-<run>-node-NNNNN), so nodes it already has (a dev stack's "
+                             "sim-node-NNNNN) are left alone")
     target.add_argument("--metrics", type=_addresses, default=None, metavar="HOST:PORT[,...]",
                         help="its /metrics address(es)")
     target.add_argument("--scheduler-pid", type=int, action="append", default=[], metavar="PID",
@@ -154,7 +163,9 @@ def apply_defaults(args: argparse.Namespace, scenario: Scenario) -> None:
         args.replicas = scenario.min_replicas
 
 
-def _stack_options(args: argparse.Namespace, scenario: Scenario) -> StackOptions:
+def _stack_options(args: argparse.Namespace, scenario: Scenario, *,
+                   run: str = "bench") -> StackOptions:
+    """``run`` (unique per run) names the nodes of a fleet sent to an existing scheduler."""
     return StackOptions(
         nodes=args.nodes,
         replicas=len(args.scheduler) if args.scheduler else args.replicas,
@@ -173,6 +184,7 @@ def _stack_options(args: argparse.Namespace, scenario: Scenario) -> StackOptions
         etcd_root=args.etcd_root,
         keep=args.keep,
         lease_ttl_s=args.lease_ttl,
+        node_prefix=f"{run}-node-" if args.scheduler else DEFAULT_NODE_PREFIX,
     )
 
 
@@ -201,7 +213,8 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
         # SIGTERM ends the run like Ctrl-C: the task is cancelled and the finally blocks stop
         # every process the stack started
         loop.add_signal_handler(signal.SIGTERM, main.cancel)
-    stack = Stack(_stack_options(args, scenario))
+    prefix = run_prefix()
+    stack = Stack(_stack_options(args, scenario, run=prefix))
     api: ApiClients | None = None
     try:
         print(f"bench: starting {scenario.name}: {args.nodes} nodes, "
@@ -210,7 +223,7 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
               file=sys.stderr, flush=True)
         await stack.start()
         api = ApiClients(stack.grpc_addrs)
-        ctx = BenchContext(args=args, stack=stack, api=api, prefix=run_prefix())
+        ctx = BenchContext(args=args, stack=stack, api=api, prefix=prefix)
         outcome = await scenario.run(ctx)
         if stack.options.external and not stack.options.metrics_addrs:
             outcome.notes.setdefault("metrics", "no --metrics given: scheduler-side figures null")

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from ops.bench import apply_defaults
@@ -28,6 +29,7 @@ from ops.benchlib.quantiles import bucket_quantile, percentile
 from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.stack import Stack, StackOptions
 from ops.cli import build_parser
+from proto.persys.control.v1 import control_pb2, control_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -334,3 +336,44 @@ def test_a_run_interrupted_while_it_starts_leaves_no_directory(signum, tmp_path)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _nodes(address: str) -> dict[str, tuple[str, str]]:
+    """node id -> (status, grpc endpoint), as the scheduler at ``address`` lists them."""
+    with grpc.insecure_channel(address) as channel:
+        reply = control_pb2_grpc.AgentControlStub(channel).ListNodes(
+            control_pb2.ListNodesRequest(), timeout=30)
+    return {n.node_id: (n.status, n.grpc_endpoint) for n in reply.nodes}
+
+
+@pytest.mark.timeout(240)
+def test_a_bench_against_a_dev_stack_brings_its_own_nodes(tmp_path):
+    # the bench's fleet used dev's node ids (sim-node-00001 ...) and re-registered dev's
+    # nodes at its own agents, which were gone once the bench ended
+    dev = subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", "dev", "--nodes", "2", "--grpc-port", "0",
+         "--data-dir", str(tmp_path / "dev")], cwd=ROOT, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LOG_LEVEL": "warning"})
+    try:
+        assert dev.stdout is not None
+        line = dev.stdout.readline()
+        assert line.startswith("persys-scheduler dev: ready "), (line, dev.poll())
+        addresses = dict(word.split("=", 1) for word in line.split()[3:])
+        before = _nodes(addresses["grpc"])
+        assert sorted(before) == ["sim-node-00001", "sim-node-00002"]
+        result, _ = run_bench("place", "--scheduler", addresses["grpc"], "--metrics",
+                              addresses["metrics"], "--nodes", "2", "--workloads", "4",
+                              "--clients", "2", "--heartbeat-interval", "10")
+        assert result["figures"]["nodes_over_capacity"] == 0
+        after = _nodes(addresses["grpc"])
+        assert {n: after[n] for n in before} == before  # dev's nodes: as they were
+        theirs = sorted(set(after) - set(before))
+        assert len(theirs) == 2, after
+        assert all(re.fullmatch(r"bench-[0-9a-f]{6}-node-0000[12]", n) for n in theirs), theirs
+        dev.send_signal(signal.SIGINT)
+        assert dev.wait(timeout=60) == 0
+    finally:
+        if dev.poll() is None:
+            dev.kill()
+            dev.wait()

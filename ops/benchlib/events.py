@@ -35,8 +35,8 @@ DRAIN_S = 10.0
 async def run(ctx: BenchContext) -> Outcome:
     out = Outcome.empty(FIGURES)
     stubs = ctx.api.stubs
-    nodes = (await stubs[0].ListNodes(control_pb2.ListNodesRequest())).nodes
-    node_ids = sorted(n.node_id for n in nodes)[: ctx.args.watchers]
+    # this run's nodes only: an existing scheduler (--scheduler) may have nodes of its own
+    node_ids = (await ctx.stack.own_nodes(ctx.api))[: ctx.args.watchers]
     if not node_ids:
         raise RuntimeError("events needs registered nodes")
     run_tag = uuid.uuid4().hex[:8]

@@ -17,7 +17,10 @@ partial ``start()``; the caller calls it in a ``finally``. Children run in their
 so a Ctrl-C at the terminal reaches the bench only.
 
 Against an existing scheduler (``--scheduler``) only the fleet is started; its agents listen on
-127.0.0.1, so that scheduler must run on this machine.
+127.0.0.1, so that scheduler must run on this machine. Its nodes then get ids of their own
+(``StackOptions.node_prefix``, unique to the run): with the simulator's default ids they would
+re-register the target's own simulated nodes (a ``dev`` stack's ``sim-node-00001`` ...) at the
+bench's agents, which go away when the bench ends.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -41,6 +44,10 @@ from ops.benchlib.httpget import HttpError, get_json, http_get
 from ops.benchlib.procs import Child
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.devstack import EtcdProcess, RedisProcess, free_port
+from proto.persys.control.v1 import control_pb2
+
+if TYPE_CHECKING:
+    from ops.benchlib.clients import ApiClients
 
 HOST = "127.0.0.1"
 #: Extra start-up allowance per simulated node (5,000 nodes register in minutes, not seconds,
@@ -50,6 +57,8 @@ STARTUP_PER_NODE_S = 0.05
 NODES_PER_SIM_PROCESS = 2500
 #: Lowest port service_port() picks.
 PORT_FLOOR = 10000
+#: Node ids of a fleet the bench runs against its own schedulers (the simulator's default).
+DEFAULT_NODE_PREFIX = "sim-node-"
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,6 +91,8 @@ class StackOptions:
     keep: bool = False
     startup_timeout_s: float = 120.0
     lease_ttl_s: int = 15
+    #: Node ids are ``f"{node_prefix}{i:05d}"``; against an existing scheduler, unique per run.
+    node_prefix: str = DEFAULT_NODE_PREFIX
 
     @property
     def external(self) -> bool:
@@ -272,7 +283,7 @@ class Stack:
             _raise_fd_limit(2 * o.nodes + 512)
             self.fleet = Fleet(self._fleet_target(), count=o.nodes,
                                behaviour=NodeBehaviour(apply_latency_s=o.apply_latency_s),
-                               seed=o.seed)
+                               seed=o.seed, prefix=o.node_prefix)
             await self.fleet.start()
             return
         parts = o.fleet_parts()
@@ -281,7 +292,7 @@ class Stack:
             argv = [sys.executable, "-m", "ops.cli", "sim", "--scheduler", self._fleet_target(),
                     "--nodes", str(count), "--first-index", str(first),
                     "--stats-port", str(port), "--report-every", "0",
-                    "--apply-latency", f"{o.apply_latency_s:g}"]
+                    "--apply-latency", f"{o.apply_latency_s:g}", "--prefix", o.node_prefix]
             if o.seed is not None:
                 argv += ["--seed", str(o.seed + i)]
             name = "sim" if len(parts) == 1 else f"sim-{i}"
@@ -298,6 +309,7 @@ class Stack:
         The API's view is what placement uses; the fleet's own "registered" count is only
         reported, because an overloaded scheduler makes some nodes' heartbeats time out and
         re-register, so it may never read N at one instant while the scheduler has them all.
+        An existing scheduler may have nodes of its own: only ours (by id) count there.
         """
         from ops.benchlib.clients import ApiClients
 
@@ -311,8 +323,7 @@ class Stack:
         try:
             while True:
                 try:
-                    ready = [(await api.summary(i, timeout=10.0)).ready_nodes
-                             for i in range(len(self.grpc_addrs))]
+                    ready = [await self._ready_nodes(api, i) for i in range(len(self.grpc_addrs))]
                 except grpc.aio.AioRpcError as exc:
                     last_error = f"; GetClusterSummary: {exc.code().name} {exc.details()}"
                 else:
@@ -327,6 +338,19 @@ class Stack:
                 await asyncio.sleep(0.5)
         finally:
             await api.close()
+
+    async def _ready_nodes(self, api: ApiClients, replica: int) -> int:
+        if not self.options.external:  # every node is ours: the cheap count
+            return int((await api.summary(replica, timeout=10.0)).ready_nodes)
+        return len(await self.own_nodes(api, replica, status="Ready"))
+
+    async def own_nodes(self, api: ApiClients, replica: int = 0, *,
+                        status: str = "") -> list[str]:
+        """The ids of this run's simulated nodes a replica knows (with ``status``, if given)."""
+        reply = await api.stubs[replica].ListNodes(control_pb2.ListNodesRequest(status=status),
+                                                   timeout=30.0)
+        return sorted(n.node_id for n in reply.nodes
+                      if n.node_id.startswith(self.options.node_prefix))
 
     # -- observation ----------------------------------------------------------------------------
 
