@@ -1,4 +1,4 @@
-"""``persys-scheduler bench SCENARIO [options] [--json]``: the benchmark of BENCH.md.
+"""``persys-scheduler bench SCENARIO [options] [--json]``: the benchmark (docs/benchmark.md).
 
 It measures a running system the way an operator would: through the gRPC API, the simulated
 agents' own counters, an etcd watch, the scheduler's ``/metrics`` and ``/proc``; never through
@@ -88,7 +88,7 @@ def _addresses(text: str) -> list[str]:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` options (BENCH.md's, plus the knobs of the stack the bench starts)."""
+    """The ``bench`` options (docs/benchmark.md), and the knobs of the stack it starts."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("scenario", choices=sorted(SCENARIOS),
@@ -154,7 +154,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--etcd-root", default="", metavar="PREFIX",
                         help="its SCHEDULER_ETCD_ROOT (default '')")
     parser.add_argument("--json", action="store_true",
-                        help="end the output with one JSON line (BENCH.md)")
+                        help="end the output with one JSON line (docs/benchmark.md)")
 
 
 def apply_defaults(args: argparse.Namespace, scenario: Scenario) -> None:

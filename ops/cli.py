@@ -4,7 +4,7 @@
     persys-scheduler -insecure              the same: the Go binary's bare form
     persys-scheduler dev [--nodes N] ...    private etcd + Redis + scheduler + simulated nodes
     persys-scheduler sim --scheduler H:P    a simulated fleet against any persys scheduler
-    persys-scheduler bench SCENARIO ...     the benchmark (BENCH.md)
+    persys-scheduler bench SCENARIO ...     the benchmark (docs/benchmark.md)
     persys-scheduler replay ...             rebuild projections and event views and compare
 """
 
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     else:
-        bench = sub.add_parser("bench", help="measure a scheduler (BENCH.md)")
+        bench = sub.add_parser("bench", help="measure a scheduler (docs/benchmark.md)")
         add_bench_arguments(bench)
         bench.set_defaults(func=cmd_bench)
     confirm = sub.add_parser("confirm-empty-state",

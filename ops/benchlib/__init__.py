@@ -1,4 +1,4 @@
-"""Building blocks of ``persys-scheduler bench`` (see ``ops/bench.py`` and BENCH.md).
+"""Building blocks of ``persys-scheduler bench`` (see ``ops/bench.py`` and docs/benchmark.md).
 
 Each module does one job: parse Prometheus text (``promtext``), compute quantiles
 (``quantiles``), fetch over plain HTTP (``httpget``), account processes (``procs``), count etcd

@@ -1,7 +1,7 @@
 """Scenario ``place``: W workloads applied by C concurrent clients across the replicas' API.
 
-Figures (BENCH.md): committed placements per second of wall time, client-side apply latency,
-the placement function's own p99 (from the scheduler's histogram), etcd transactions per
+Figures (docs/benchmark.md): committed placements per second of wall time, client-side apply
+latency, the placement function's own p99 (from the scheduler's histogram), etcd transactions per
 placement (from the scheduler's counters), nodes over capacity (from what the simulated agents
 hold once every committed placement has reached its node) and the rejected count.
 """

@@ -1,9 +1,8 @@
 """The scenarios ``persys-scheduler bench`` knows, by name.
 
-To add one (``failover``, ``events``): write ``ops/benchlib/<name>.py`` exposing ``SCENARIO``
-(an ``ops.benchlib.scenario.Scenario`` with BENCH.md's figure keys) and list it below. Options
-it needs that ``ops/bench.py`` does not have yet go there (``--kills``, ``--lease-ttl``,
-``--watchers`` and ``--rate`` already exist).
+To add one: write ``ops/benchlib/<name>.py`` exposing ``SCENARIO`` (an
+``ops.benchlib.scenario.Scenario`` with its figure keys), list it below and document it in
+docs/benchmark.md. Options it needs that ``ops/bench.py`` does not have yet go there.
 """
 
 from __future__ import annotations

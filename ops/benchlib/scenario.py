@@ -1,7 +1,7 @@
 """The scenario contract, and the context every scenario runs in.
 
-Why a contract: BENCH.md fixes each scenario's figure keys; a scenario declares them, returns a
-value (or None with a reason) for each, and the runner checks the set, so a later scenario
+Why a contract: docs/benchmark.md fixes each scenario's figure keys; a scenario declares them,
+returns a value (or None with a reason) for each, and the runner checks the set, so a later scenario
 (``failover``, ``events``) is one module plus one line in ``ops.benchlib.registry``.
 
 The context also holds the steps several scenarios share: creating workloads through the API
@@ -48,7 +48,7 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Scenario:
-    """One named scenario of BENCH.md."""
+    """One named scenario of docs/benchmark.md."""
 
     name: str
     summary: str

@@ -1,7 +1,7 @@
 """The system under test: started by the bench, or pointed at, and always stopped.
 
 Why a separate simulator process: a scheduler holding 5,000 agent channels and a 5,000-node
-fleet in one process would sit near this machine's 20,000 open-file limit (BENCH.md facts), and
+fleet in one process would sit near this machine's 20,000 open-file limit (measured), and
 the CPU each side burns would be indistinguishable. So by default the fleet is
 ``persys-scheduler sim --stats-port P`` in its own process and the bench reads its counters over
 ``GET /stats``. A large fleet is several such processes with disjoint node ranges (one per
