@@ -2,8 +2,8 @@
 
 Why: one Python process reaches about a thousand single-key CAS transactions per second through
 the etcd gateway, while a transaction of 64 keys costs little more than one of one key
-(BENCH.md). Like Nomad's plan applier, placements decided concurrently are queued and committed
-together. Correctness does not depend on the batching:
+(docs/benchmark.md). Like Nomad's plan applier, placements decided concurrently are queued and
+committed together. Correctness does not depend on the batching:
 
 * the allocation of each node in a batch is recomputed at flush time from the newest known
   allocation (the projection, or this batcher's own last commit if that is newer) plus the

@@ -1,8 +1,8 @@
 """A simulated compute-agent fleet: thousands of fake nodes in one process.
 
-Why this exists: the scheduler must be exercised (tests, ``persys-scheduler sim``, the benchmark
-in ``BENCH.md``) against fleets of 1,000-5,000 agents without running real ones. Each simulated
-node behaves towards the scheduler like a Go compute-agent: it registers over
+Why this exists: the scheduler must be exercised (tests, ``persys-scheduler sim``, the
+benchmark in ``docs/benchmark.md``) against fleets of 1,000-5,000 agents without running real
+ones. Each simulated node behaves towards the scheduler like a Go compute-agent: it registers over
 ``persys.control.v1.AgentControl``, heartbeats with its usage and one status per local workload,
 re-registers after a rejection or a failed heartbeat, and serves ``persys.agent.v1.AgentService``
 on its own port with the agent's asynchronous apply (answer PENDING with a ``task_id`` at once,
@@ -18,10 +18,11 @@ Invariants:
 * A node refuses an agent call only when ``x-persys-node-id`` is present and names another node
   (``PERMISSION_DENIED`` "wrong node", counted as ``wrong_node_refused``). Calls without the
   metadata are served: Go schedulers send none.
-* ``double_applies`` follows BENCH.md: an ApplyWorkload whose ``x-persys-leader-term`` is lower
-  than the highest term any node of this fleet has already seen. The same check per node is
-  reported as ``double_applies_node_scope``: with active-active shards every shard has its own
-  leader key (its own create revision), so only the per-node figure is meaningful there.
+* ``double_applies`` follows docs/benchmark.md: an ApplyWorkload whose
+  ``x-persys-leader-term`` is lower than the highest term any node of this fleet has already
+  seen. The same check per node is reported as ``double_applies_node_scope``: with
+  active-active shards every shard has its own leader key (its own create revision), so only
+  the per-node figure is meaningful there.
 * Time is driven by ONE heap of due times and ONE dispatcher task per fleet (:class:`DueHeap`):
   apply completions, registration retries and heartbeats. Control RPCs run on a fixed pool of
   worker tasks (``concurrency``, by default one per node: a real agent's heartbeat never waits
