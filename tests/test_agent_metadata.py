@@ -21,10 +21,8 @@ from handlers.statusmeta import (
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,
-    control_stub,
+    leading_fleet,
     make_settings,
-    running_fleet,
-    running_scheduler,
 )
 from tests.fixtures.waiting import wait_for
 
@@ -97,28 +95,24 @@ async def test_vm_primary_ip_reported_by_the_agent_shows_in_workload_status(
 
     monkeypatch.setattr(sim.SimNode, "_status", staticmethod(with_ip))
     s = make_settings(etcd_server, redis_server, key_root, stream_key, reconcile_interval_s=0.3)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: sched.leader.is_leader, timeout=15)
-            spec = pb.WorkloadSpec(type="vm", resources=pb.ResourceRequirements(
-                cpu_millicores=1000, memory_mb=512), vm=pb.VMSpec(
-                vcpus=1, memory_mb=512, os_image="ubuntu-24.04"))
-            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="vm-ip", spec=spec))).success
+    async with leading_fleet(s, 1) as (_sched, _fleet, stub):
+        spec = pb.WorkloadSpec(type="vm", resources=pb.ResourceRequirements(
+            cpu_millicores=1000, memory_mb=512), vm=pb.VMSpec(
+            vcpus=1, memory_mb=512, os_image="ubuntu-24.04"))
+        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="vm-ip", spec=spec))).success
 
-            async def status() -> str:
-                return (await stub.GetWorkload(pb.GetWorkloadRequest(
-                    workload_id="vm-ip"))).workload.status
+        async def status() -> str:
+            return (await stub.GetWorkload(pb.GetWorkloadRequest(
+                workload_id="vm-ip"))).workload.status
 
-            await wait_for(lambda: _running(status), timeout=15)
-            shown = await wait_for(lambda: _with_ip(status), timeout=5, message="ip shown")
-            assert shown == "Running (ip=10.1.2.3)"
-            # the status filter compares the status, not its rendering with the address
-            listed = await stub.ListWorkloads(pb.ListWorkloadsRequest(status="running"))
-            assert [w.workload_id for w in listed.workloads] == ["vm-ip"]
-            assert listed.workloads[0].status == "Running (ip=10.1.2.3)"
+        await wait_for(lambda: _running(status), timeout=15)
+        shown = await wait_for(lambda: _with_ip(status), timeout=5, message="ip shown")
+        assert shown == "Running (ip=10.1.2.3)"
+        # the status filter compares the status, not its rendering with the address
+        listed = await stub.ListWorkloads(pb.ListWorkloadsRequest(status="running"))
+        assert [w.workload_id for w in listed.workloads] == ["vm-ip"]
+        assert listed.workloads[0].status == "Running (ip=10.1.2.3)"
 
 
 async def test_an_agent_reported_invalid_image_halts_the_retries(
@@ -138,43 +132,38 @@ async def test_an_agent_reported_invalid_image_halts_the_retries(
 
     monkeypatch.setattr(sim.SimNode, "_status", staticmethod(invalid_image))
     s = make_settings(etcd_server, redis_server, key_root, stream_key, reconcile_interval_s=0.3)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        behaviour = sim.NodeBehaviour(apply_latency_s=0.05, failure_rate=1.0)
-        async with running_fleet(address, 1, behaviour=behaviour) as fleet, \
-                control_stub(address) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: sched.leader.is_leader, timeout=15)
-            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="bad-image", spec=container_spec(image="nosuch/image")))).success
+    behaviour = sim.NodeBehaviour(apply_latency_s=0.05, failure_rate=1.0)
+    async with leading_fleet(s, 1, behaviour=behaviour) as (sched, fleet, stub):
+        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="bad-image", spec=container_spec(image="nosuch/image")))).success
 
-            async def view() -> Any:
-                return (await stub.GetWorkload(pb.GetWorkloadRequest(
-                    workload_id="bad-image"))).workload
+        async def view() -> Any:
+            return (await stub.GetWorkload(pb.GetWorkloadRequest(
+                workload_id="bad-image"))).workload
 
-            def halted() -> Any:
-                item = sched.cluster.statuses.get("bad-image")
-                meta = item.value.metadata if item is not None else {}
-                return item if meta.get("last_action") == "TerminalFailureNoReapply" else None
+        def halted() -> Any:
+            item = sched.cluster.statuses.get("bad-image")
+            meta = item.value.metadata if item is not None else {}
+            return item if meta.get("last_action") == "TerminalFailureNoReapply" else None
 
-            item = await wait_for(halted, timeout=15, message="halted as a terminal failure")
-            meta = item.value.metadata
-            assert meta.get("failure_reason") == "INVALID_IMAGE"
-            shown = await view()
-            assert shown.status == "Failed"
-            assert "pull access denied" in shown.failure_reason
-            # the budget was not what stopped it: at most the first failure was counted
-            assert item.value.retry.attempts <= 1
-            applies = fleet.counters.rpcs["ApplyWorkload"]
+        item = await wait_for(halted, timeout=15, message="halted as a terminal failure")
+        meta = item.value.metadata
+        assert meta.get("failure_reason") == "INVALID_IMAGE"
+        shown = await view()
+        assert shown.status == "Failed"
+        assert "pull access denied" in shown.failure_reason
+        # the budget was not what stopped it: at most the first failure was counted
+        assert item.value.retry.attempts <= 1
+        applies = fleet.counters.rpcs["ApplyWorkload"]
 
-            def cycles() -> float:
-                return sched.metrics.registry.get_sample_value(
-                    "persys_scheduler_reconcile_cycles_total") or 0.0
+        def cycles() -> float:
+            return sched.metrics.registry.get_sample_value(
+                "persys_scheduler_reconcile_cycles_total") or 0.0
 
-            seen = cycles()
-            await wait_for(lambda: cycles() >= seen + 3, timeout=10, message="three more cycles")
-            assert fleet.counters.rpcs["ApplyWorkload"] == applies, "applied again"
-            assert (await view()).status == "Failed"
+        seen = cycles()
+        await wait_for(lambda: cycles() >= seen + 3, timeout=10, message="three more cycles")
+        assert fleet.counters.rpcs["ApplyWorkload"] == applies, "applied again"
+        assert (await view()).status == "Failed"
 
 
 async def test_metadata_in_the_apply_answer_is_recorded_by_the_dispatcher(
@@ -193,20 +182,16 @@ async def test_metadata_in_the_apply_answer_is_recorded_by_the_dispatcher(
     monkeypatch.setattr(sim.SimNode, "_submitted", with_runtime)
     s = make_settings(etcd_server, redis_server, key_root, stream_key,
                       reconcile_interval_s=3600.0, drift_detect_interval_s=0.0)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: sched.leader.is_leader, timeout=15)
-            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w-meta", spec=container_spec()))).success
+    async with leading_fleet(s, 1) as (sched, _fleet, stub):
+        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-meta", spec=container_spec()))).success
 
-            def recorded() -> Any:
-                item = sched.cluster.statuses.get("w-meta")
-                return item is not None and item.value.metadata.get("container.id")
-
-            assert await wait_for(recorded, timeout=10, message="answer recorded") == "c-w-meta"
+        def recorded() -> Any:
             item = sched.cluster.statuses.get("w-meta")
-            assert item is not None
-            assert "task_id" not in item.value.metadata
-            assert "task_status" not in item.value.metadata
+            return item is not None and item.value.metadata.get("container.id")
+
+        assert await wait_for(recorded, timeout=10, message="answer recorded") == "c-w-meta"
+        item = sched.cluster.statuses.get("w-meta")
+        assert item is not None
+        assert "task_id" not in item.value.metadata
+        assert "task_status" not in item.value.metadata

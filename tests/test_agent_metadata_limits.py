@@ -15,10 +15,8 @@ from handlers.workloads import RECORD_MAX_BYTES
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,
-    control_stub,
+    leading_fleet,
     make_settings,
-    running_fleet,
-    running_scheduler,
 )
 from tests.fixtures.waiting import wait_for
 
@@ -37,32 +35,28 @@ async def test_agent_metadata_cannot_pin_a_movable_workload_to_its_node(
     monkeypatch.setattr(sim.SimNode, "_status", staticmethod(with_mount))
     s = make_settings(etcd_server, redis_server, key_root, stream_key, reconcile_interval_s=0.3,
                       drift_detect_interval_s=0.0)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 2) as fleet, control_stub(address) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: sched.leader.is_leader, timeout=15)
-            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="c", spec=container_spec()))).success
+    async with leading_fleet(s, 2) as (sched, _fleet, stub):
+        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="c", spec=container_spec()))).success
 
-            def running() -> bool:
-                item = sched.cluster.statuses.get("c")
-                return item is not None and item.value.status == "Running"
+        def running() -> bool:
+            item = sched.cluster.statuses.get("c")
+            return item is not None and item.value.status == "Running"
 
-            def cycles() -> float:
-                return sched.metrics.registry.get_sample_value(
-                    "persys_scheduler_reconcile_cycles_total") or 0.0
+        def cycles() -> float:
+            return sched.metrics.registry.get_sample_value(
+                "persys_scheduler_reconcile_cycles_total") or 0.0
 
-            await wait_for(running, timeout=15, message="running")
-            seen = cycles()
-            # a few cycles that saw the agent's report (and merged it)
-            await wait_for(lambda: cycles() >= seen + 3, timeout=10, message="three cycles")
-            node_id = sched.cluster.statuses.get("c").value.node_id
-            resp = await stub.DrainNode(pb.DrainNodeRequest(node_id=node_id, reason="review"))
-            assert resp.accepted
-            assert resp.relocated_workloads == 1, (
-                "an ephemeral container (no volumes, no persys.* metadata) was not moved off the "
-                "drained node: the agent's own metadata made it node-local")
+        await wait_for(running, timeout=15, message="running")
+        seen = cycles()
+        # a few cycles that saw the agent's report (and merged it)
+        await wait_for(lambda: cycles() >= seen + 3, timeout=10, message="three cycles")
+        node_id = sched.cluster.statuses.get("c").value.node_id
+        resp = await stub.DrainNode(pb.DrainNodeRequest(node_id=node_id, reason="review"))
+        assert resp.accepted
+        assert resp.relocated_workloads == 1, (
+            "an ephemeral container (no volumes, no persys.* metadata) was not moved off the "
+            "drained node: the agent's own metadata made it node-local")
 async def test_agent_metadata_cannot_grow_a_status_record_past_the_record_limit(
         etcd_server, redis_server, key_root, stream_key, monkeypatch):
     import ops.sim as sim
@@ -83,30 +77,26 @@ async def test_agent_metadata_cannot_grow_a_status_record_past_the_record_limit(
     monkeypatch.setattr(sim.SimNode, "ListWorkloads", rotating)
     s = make_settings(etcd_server, redis_server, key_root, stream_key, reconcile_interval_s=0.3,
                       drift_detect_interval_s=0.0)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: sched.leader.is_leader, timeout=15)
-            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w", spec=container_spec()))).success
+    async with leading_fleet(s, 1) as (sched, _fleet, stub):
+        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w", spec=container_spec()))).success
 
-            def size() -> int:
-                item = sched.cluster.statuses.get("w")
-                return len(encode(item.value)) if item is not None else 0
+        def size() -> int:
+            item = sched.cluster.statuses.get("w")
+            return len(encode(item.value)) if item is not None else 0
 
-            def cycles() -> float:
-                return sched.metrics.registry.get_sample_value(
-                    "persys_scheduler_reconcile_cycles_total") or 0.0
+        def cycles() -> float:
+            return sched.metrics.registry.get_sample_value(
+                "persys_scheduler_reconcile_cycles_total") or 0.0
 
-            seen = cycles()
-            await wait_for(lambda: cycles() >= seen + 10, timeout=30, message="ten cycles")
-            assert size() <= RECORD_MAX_BYTES, (
-                f"one agent grew workload w's status record to {size():,} bytes "
-                f"(limit {RECORD_MAX_BYTES:,}; metadata keys: "
-                f"{len(sched.cluster.statuses.get('w').value.metadata)})")
-            # new keys stop at the metadata budget; what remains is the record's own fields
-            assert size() <= METADATA_MAX_BYTES + 16 * 1024, f"{size():,} bytes"
+        seen = cycles()
+        await wait_for(lambda: cycles() >= seen + 10, timeout=30, message="ten cycles")
+        assert size() <= RECORD_MAX_BYTES, (
+            f"one agent grew workload w's status record to {size():,} bytes "
+            f"(limit {RECORD_MAX_BYTES:,}; metadata keys: "
+            f"{len(sched.cluster.statuses.get('w').value.metadata)})")
+        # new keys stop at the metadata budget; what remains is the record's own fields
+        assert size() <= METADATA_MAX_BYTES + 16 * 1024, f"{size():,} bytes"
 
 
 def test_values_are_bounded_as_stored_not_as_characters() -> None:

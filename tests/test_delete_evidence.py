@@ -18,10 +18,8 @@ import pytest
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,
-    control_stub,
+    leading_fleet,
     make_settings,
-    running_fleet,
-    running_scheduler,
 )
 from tests.fixtures.waiting import wait_for
 
@@ -52,30 +50,26 @@ async def test_a_refused_delete_whose_message_mentions_not_found_is_not_finalise
     if status_answer == "plain-error":
         monkeypatch.setattr(sim.SimNode, "GetWorkloadStatus", _plain_error)
     s = make_settings(etcd_server, redis_server, key_root, stream_key, reconcile_interval_s=0.5)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: sched.leader.is_leader, timeout=15)
-            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w-orphan", spec=container_spec()))).success
-            node = fleet.nodes[0]
-            await wait_for(lambda: node.workload_state("w-orphan") == "Running")
-            assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(
-                workload_id="w-orphan"))).success
-            # the dispatcher's delete was answered, then two reconcile cycles tried again (by
-            # then the dispatcher's decision is long made)
-            await wait_for(lambda: sample(sched, "persys_scheduler_agent_rpcs_total",
-                                          method="DeleteWorkload", code="OK"))
-            await wait_for(lambda: sample(
-                sched, "persys_scheduler_reconciliation_results_total", action="Delete",
-                success="false") >= 2, timeout=15, message="two refused reconcile deletes")
-            assert node.workload_state("w-orphan") == "Running"
-            assert sched.cluster.specs.get("w-orphan") is not None, \
-                "finalised although the agent still runs it"
-            status = sched.cluster.statuses.get("w-orphan")
-            assert status is not None
-            assert status.value.status == "Deleting"
+    async with leading_fleet(s, 1) as (sched, fleet, stub):
+        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-orphan", spec=container_spec()))).success
+        node = fleet.nodes[0]
+        await wait_for(lambda: node.workload_state("w-orphan") == "Running")
+        assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(
+            workload_id="w-orphan"))).success
+        # the dispatcher's delete was answered, then two reconcile cycles tried again (by
+        # then the dispatcher's decision is long made)
+        await wait_for(lambda: sample(sched, "persys_scheduler_agent_rpcs_total",
+                                      method="DeleteWorkload", code="OK"))
+        await wait_for(lambda: sample(
+            sched, "persys_scheduler_reconciliation_results_total", action="Delete",
+            success="false") >= 2, timeout=15, message="two refused reconcile deletes")
+        assert node.workload_state("w-orphan") == "Running"
+        assert sched.cluster.specs.get("w-orphan") is not None, \
+            "finalised although the agent still runs it"
+        status = sched.cluster.statuses.get("w-orphan")
+        assert status is not None
+        assert status.value.status == "Deleting"
 
 
 @pytest.mark.parametrize("agent", ["grpc-not-found", "status-not-found", "not-listed"])
@@ -102,17 +96,13 @@ async def test_a_delete_of_a_workload_the_agent_does_not_hold_is_finalised(
         monkeypatch.setattr(sim.SimNode, "GetWorkloadStatus", _plain_error)
     s = make_settings(etcd_server, redis_server, key_root, stream_key,
                       reconcile_interval_s=3600.0, drift_detect_interval_s=0.0)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1) as fleet, control_stub(address) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: sched.leader.is_leader, timeout=15)
-            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w-gone", spec=container_spec()))).success
-            node = fleet.nodes[0]
-            await wait_for(lambda: node.workload_state("w-gone") == "Running")
-            assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(
-                workload_id="w-gone"))).success
-            await wait_for(lambda: sched.cluster.specs.get("w-gone") is None, timeout=10,
-                           message="finalised")
-            assert sched.cluster.statuses.get("w-gone") is None
+    async with leading_fleet(s, 1) as (sched, fleet, stub):
+        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-gone", spec=container_spec()))).success
+        node = fleet.nodes[0]
+        await wait_for(lambda: node.workload_state("w-gone") == "Running")
+        assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(
+            workload_id="w-gone"))).success
+        await wait_for(lambda: sched.cluster.specs.get("w-gone") is None, timeout=10,
+                       message="finalised")
+        assert sched.cluster.statuses.get("w-gone") is None

@@ -16,10 +16,8 @@ from handlers.loops import ReconcileLoop
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,
-    control_stub,
+    leading_fleet,
     make_settings,
-    running_fleet,
-    running_scheduler,
 )
 from tests.fixtures.waiting import wait_for
 
@@ -54,49 +52,43 @@ async def test_a_report_about_the_old_revision_does_not_halt_the_new_one(
     s = make_settings(etcd_server, redis_server, key_root, stream_key, reconcile_interval_s=0.3,
                       drift_detect_interval_s=0.0)
     behaviour = sim.NodeBehaviour(apply_latency_s=0.05, failure_rate=1.0)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1, behaviour=behaviour) as fleet, \
-                control_stub(address) as stub:
-            await fleet.wait_registered()
-            await wait_for(lambda: sched.leader.is_leader, timeout=15)
+    async with leading_fleet(s, 1, behaviour=behaviour) as (sched, fleet, stub):
+        original_mark = ReconcileLoop._mark_terminal
+        injected = {"started": False, "done": False}
 
-            original_mark = ReconcileLoop._mark_terminal
-            injected = {"started": False, "done": False}
+        async def update_then_mark(self: Any, action: Any, now: Any) -> bool:
+            if not injected["started"] and dict(action.reported).get("failure_reason"):
+                injected["started"] = True
+                # the operator fixes the image while this cycle's actions run
+                behaviour.failure_rate = 0.0
+                refuse_next["armed"] = True
+                answer = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                    workload_id="w", spec=container_spec(image="good/image:2")))
+                assert answer.success
+                await wait_for(lambda: refuse_next["refused"] == 1, timeout=10,
+                               message="the update's apply reached the agent")
+                injected["done"] = True
+            return await original_mark(self, action, now)
 
-            async def update_then_mark(self: Any, action: Any, now: Any) -> bool:
-                if not injected["started"] and dict(action.reported).get("failure_reason"):
-                    injected["started"] = True
-                    # the operator fixes the image while this cycle's actions run
-                    behaviour.failure_rate = 0.0
-                    refuse_next["armed"] = True
-                    answer = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                        workload_id="w", spec=container_spec(image="good/image:2")))
-                    assert answer.success
-                    await wait_for(lambda: refuse_next["refused"] == 1, timeout=10,
-                                   message="the update's apply reached the agent")
-                    injected["done"] = True
-                return await original_mark(self, action, now)
+        monkeypatch.setattr(ReconcileLoop, "_mark_terminal", update_then_mark)
 
-            monkeypatch.setattr(ReconcileLoop, "_mark_terminal", update_then_mark)
+        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w", spec=container_spec(image="nosuch/image:1")))).success
+        await wait_for(lambda: injected["done"], timeout=15, message="race injected")
+        new_revision = sched.cluster.specs.get("w").value.revision_id
+        node = fleet.nodes[0]
 
-            assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w", spec=container_spec(image="nosuch/image:1")))).success
-            await wait_for(lambda: injected["done"], timeout=15, message="race injected")
-            new_revision = sched.cluster.specs.get("w").value.revision_id
-            node = fleet.nodes[0]
+        def runs_new_revision() -> bool:
+            return (node.workload_revision("w") == new_revision
+                    and node.workload_state("w") == "Running")
 
-            def runs_new_revision() -> bool:
-                return (node.workload_revision("w") == new_revision
-                        and node.workload_state("w") == "Running")
-
-            try:
-                await wait_for(runs_new_revision, timeout=45,
-                               message="the agent runs the updated revision")
-            except AssertionError:
-                st = sched.cluster.statuses.get("w").value
-                raise AssertionError(
-                    f"new revision never applied: agent holds {node.workload_revision('w')} "
-                    f"({node.workload_state('w')}), spec {new_revision}; status={st.status} "
-                    f"failure_reason={st.metadata.get('failure_reason')} "
-                    f"last_action={st.metadata.get('last_action')}") from None
+        try:
+            await wait_for(runs_new_revision, timeout=45,
+                           message="the agent runs the updated revision")
+        except AssertionError:
+            st = sched.cluster.statuses.get("w").value
+            raise AssertionError(
+                f"new revision never applied: agent holds {node.workload_revision('w')} "
+                f"({node.workload_state('w')}), spec {new_revision}; status={st.status} "
+                f"failure_reason={st.metadata.get('failure_reason')} "
+                f"last_action={st.metadata.get('last_action')}") from None
