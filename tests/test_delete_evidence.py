@@ -51,12 +51,7 @@ async def test_a_refused_delete_whose_message_mentions_not_found_is_not_finalise
         monkeypatch.setattr(sim.SimNode, "GetWorkloadStatus", _plain_error)
     s = make_settings(etcd_server, redis_server, key_root, stream_key, reconcile_interval_s=0.5)
     async with leading_fleet(s, 1) as (sched, fleet, stub):
-        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-            workload_id="w-orphan", spec=container_spec()))).success
-        node = fleet.nodes[0]
-        await wait_for(lambda: node.workload_state("w-orphan") == "Running")
-        assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(
-            workload_id="w-orphan"))).success
+        node = await running_then_deleted(fleet, stub, "w-orphan")
         # the dispatcher's delete was answered, then two reconcile cycles tried again (by
         # then the dispatcher's decision is long made)
         await wait_for(lambda: sample(sched, "persys_scheduler_agent_rpcs_total",
@@ -97,12 +92,19 @@ async def test_a_delete_of_a_workload_the_agent_does_not_hold_is_finalised(
     s = make_settings(etcd_server, redis_server, key_root, stream_key,
                       reconcile_interval_s=3600.0, drift_detect_interval_s=0.0)
     async with leading_fleet(s, 1) as (sched, fleet, stub):
-        assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-            workload_id="w-gone", spec=container_spec()))).success
-        node = fleet.nodes[0]
-        await wait_for(lambda: node.workload_state("w-gone") == "Running")
-        assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(
-            workload_id="w-gone"))).success
+        await running_then_deleted(fleet, stub, "w-gone")
         await wait_for(lambda: sched.cluster.specs.get("w-gone") is None, timeout=10,
                        message="finalised")
         assert sched.cluster.statuses.get("w-gone") is None
+
+
+async def running_then_deleted(fleet: Any, stub: Any, workload_id: str) -> Any:
+    """Apply ``workload_id`` on the fleet's one node, wait until it runs, then ask for its
+    delete (accepted); returns that simulated node."""
+    assert (await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+        workload_id=workload_id, spec=container_spec()))).success
+    node = fleet.nodes[0]
+    await wait_for(lambda: node.workload_state(workload_id) == "Running")
+    assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(
+        workload_id=workload_id))).success
+    return node
