@@ -91,6 +91,16 @@ class EvilAgent(agent_pb2_grpc.AgentServiceServicer):
         return agent_pb2.DeleteWorkloadResponse(success=True)
 
 
+async def serve_agent(agent: EvilAgent, cert: Issued, pki: Pki) -> tuple[grpc.aio.Server, int]:
+    """``agent`` served with mTLS at its own host (127.0.0.2), as a node's agent is."""
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
+    port = server.add_secure_port("127.0.0.2:0", grpc.ssl_server_credentials(
+        [(cert.key, cert.cert)], root_certificates=pki.ca.cert, require_client_auth=True))
+    await server.start()
+    return server, port
+
+
 async def placed_on_victim(sched, operator, victim, wid, spec) -> None:
     resp = await operator.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id=wid, spec=spec),
                                         timeout=10)
@@ -160,12 +170,7 @@ async def test_a_listworkloads_answer_never_takes_over_another_nodes_workload(
         op_ch, operator = stub(address, pki, pki.operator)
         evil_ch, evil = stub(address, pki, pki.evil)
         agent = EvilAgent(["w-secret"])
-        server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
-        port = server.add_secure_port("127.0.0.2:0", grpc.ssl_server_credentials(
-            [(pki.evil.key, pki.evil.cert)], root_certificates=pki.ca.cert,
-            require_client_auth=True))
-        await server.start()
+        server, port = await serve_agent(agent, pki.evil, pki)
         tls = SimTls(ca=pki.ca.cert, cert=pki.victim.cert, key=pki.victim.key)
         try:
             async with running_fleet(address, 1, tls=tls) as fleet:
@@ -238,12 +243,7 @@ async def test_one_agents_listing_of_made_up_ids_leaves_no_records(
         address = f"127.0.0.1:{sched.grpc_port}"
         evil_ch, evil = stub(address, pki, pki.evil)
         agent = EvilAgent([])
-        server = grpc.aio.server()
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
-        port = server.add_secure_port("127.0.0.2:0", grpc.ssl_server_credentials(
-            [(pki.evil.key, pki.evil.cert)], root_certificates=pki.ca.cert,
-            require_client_auth=True))
-        await server.start()
+        server, port = await serve_agent(agent, pki.evil, pki)
         try:
             reg = await evil.RegisterNode(pb.RegisterNodeRequest(
                 node_id="evil", grpc_endpoint=f"127.0.0.2:{port}", capabilities=CAPS),

@@ -17,7 +17,13 @@ import redis.asyncio as aioredis
 from eventsource.events import parse_rfc3339
 from handlers.usage import UsageSink
 from proto.persys.control.v1 import control_pb2 as pb
-from tests.fixtures.harness import control_stub, make_settings, running_fleet, running_scheduler
+from tests.fixtures.harness import (
+    control_stub,
+    make_settings,
+    running_fleet,
+    running_scheduler,
+    serving_fleet,
+)
 from tests.fixtures.waiting import wait_for
 
 #: a heartbeat every 0.5 s; a view may lag behind the newest by one interval and a write
@@ -40,40 +46,32 @@ async def _beat_a_while(fleet, since: datetime, beats: int = 4) -> None:
 async def test_getnode_last_heartbeat_advances_with_heartbeats(
         etcd_server, redis_server, key_root, stream_key):
     s = make_settings(etcd_server, redis_server, key_root, stream_key)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1, heartbeat_interval_s=0.5) as fleet, \
-                control_stub(address) as stub:
-            await fleet.wait_registered()
-            registered_at = datetime.now(UTC)
-            node_id = fleet.nodes[0].node_id
-            await _beat_a_while(fleet, registered_at)
-            asked = datetime.now(UTC)
-            node = (await stub.GetNode(pb.GetNodeRequest(node_id=node_id))).node
-            assert _age(node, asked) < FRESH, f"{_age(node, asked).total_seconds():.1f}s old"
-            # the node record was not rewritten for it
-            recorded = parse_rfc3339(sched.cluster.nodes.get(node_id).value.last_heartbeat)
-            assert recorded is not None
-            assert recorded <= registered_at
+    async with serving_fleet(s, 1, heartbeat_interval_s=0.5) as (sched, fleet, stub):
+        registered_at = datetime.now(UTC)
+        node_id = fleet.nodes[0].node_id
+        await _beat_a_while(fleet, registered_at)
+        asked = datetime.now(UTC)
+        node = (await stub.GetNode(pb.GetNodeRequest(node_id=node_id))).node
+        assert _age(node, asked) < FRESH, f"{_age(node, asked).total_seconds():.1f}s old"
+        # the node record was not rewritten for it
+        recorded = parse_rfc3339(sched.cluster.nodes.get(node_id).value.last_heartbeat)
+        assert recorded is not None
+        assert recorded <= registered_at
 
 
 async def test_listnodes_last_heartbeat_advances_with_heartbeats(
         etcd_server, redis_server, key_root, stream_key):
     s = make_settings(etcd_server, redis_server, key_root, stream_key)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 3, heartbeat_interval_s=0.5) as fleet, \
-                control_stub(address) as stub:
-            await fleet.wait_registered()
-            await _beat_a_while(fleet, datetime.now(UTC), beats=12)
-            asked = datetime.now(UTC)
-            nodes = (await stub.ListNodes(pb.ListNodesRequest())).nodes
-            assert sorted(n.node_id for n in nodes) == sorted(n.node_id for n in fleet.nodes)
-            ages = {n.node_id: round(_age(n, asked).total_seconds(), 1) for n in nodes}
-            assert all(_age(n, asked) < FRESH for n in nodes), ages
-            # the status filter still applies
-            ready = (await stub.ListNodes(pb.ListNodesRequest(status="ready"))).nodes
-            assert len(ready) == 3
+    async with serving_fleet(s, 3, heartbeat_interval_s=0.5) as (_sched, fleet, stub):
+        await _beat_a_while(fleet, datetime.now(UTC), beats=12)
+        asked = datetime.now(UTC)
+        nodes = (await stub.ListNodes(pb.ListNodesRequest())).nodes
+        assert sorted(n.node_id for n in nodes) == sorted(n.node_id for n in fleet.nodes)
+        ages = {n.node_id: round(_age(n, asked).total_seconds(), 1) for n in nodes}
+        assert all(_age(n, asked) < FRESH for n in nodes), ages
+        # the status filter still applies
+        ready = (await stub.ListNodes(pb.ListNodesRequest(status="ready"))).nodes
+        assert len(ready) == 3
 
 
 async def test_a_replica_that_did_not_receive_the_heartbeats_reports_them(
@@ -108,15 +106,11 @@ async def test_a_replica_that_did_not_receive_the_heartbeats_reports_them(
 async def test_without_redis_the_receiving_replica_reports_its_heartbeats(
         etcd_server, key_root, stream_key):
     s = make_settings(etcd_server, None, key_root, stream_key)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1, heartbeat_interval_s=0.5) as fleet, \
-                control_stub(address) as stub:
-            await fleet.wait_registered()
-            await _beat_a_while(fleet, datetime.now(UTC))
-            asked = datetime.now(UTC)
-            node = (await stub.GetNode(pb.GetNodeRequest(node_id=fleet.nodes[0].node_id))).node
-            assert _age(node, asked) < FRESH, f"{_age(node, asked).total_seconds():.1f}s old"
+    async with serving_fleet(s, 1, heartbeat_interval_s=0.5) as (_sched, fleet, stub):
+        await _beat_a_while(fleet, datetime.now(UTC))
+        asked = datetime.now(UTC)
+        node = (await stub.GetNode(pb.GetNodeRequest(node_id=fleet.nodes[0].node_id))).node
+        assert _age(node, asked) < FRESH, f"{_age(node, asked).total_seconds():.1f}s old"
 
 
 async def test_a_hung_redis_neither_fails_nor_stalls_node_reads(
@@ -124,29 +118,25 @@ async def test_a_hung_redis_neither_fails_nor_stalls_node_reads(
     """Redis stopped (SIGSTOP: connections open, no answers): GetNode and ListNodes answer
     within the read bound, with the heartbeats this replica received."""
     s = make_settings(etcd_server, redis_private, key_root, stream_key)
-    async with running_scheduler(s) as sched:
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, 1, heartbeat_interval_s=0.5) as fleet, \
-                control_stub(address) as stub:
-            await fleet.wait_registered()
-            node_id = fleet.nodes[0].node_id
-            since = datetime.now(UTC)
-            redis_private.pause()
-            try:
-                await _beat_a_while(fleet, since)
-                loop_time = asyncio.get_running_loop().time
-                for _ in range(3):
-                    started = loop_time()
-                    asked = datetime.now(UTC)
-                    node = (await stub.GetNode(pb.GetNodeRequest(node_id=node_id),
-                                               timeout=5)).node
-                    listed = (await stub.ListNodes(pb.ListNodesRequest(), timeout=5)).nodes
-                    took = loop_time() - started
-                    assert took < 2.0, f"GetNode + ListNodes took {took:.2f}s"
-                    assert _age(node, asked) < FRESH, f"{_age(node, asked).total_seconds()}s"
-                    assert [_age(n, asked) < FRESH for n in listed] == [True]
-            finally:
-                redis_private.resume()
+    async with serving_fleet(s, 1, heartbeat_interval_s=0.5) as (_sched, fleet, stub):
+        node_id = fleet.nodes[0].node_id
+        since = datetime.now(UTC)
+        redis_private.pause()
+        try:
+            await _beat_a_while(fleet, since)
+            loop_time = asyncio.get_running_loop().time
+            for _ in range(3):
+                started = loop_time()
+                asked = datetime.now(UTC)
+                node = (await stub.GetNode(pb.GetNodeRequest(node_id=node_id),
+                                           timeout=5)).node
+                listed = (await stub.ListNodes(pb.ListNodesRequest(), timeout=5)).nodes
+                took = loop_time() - started
+                assert took < 2.0, f"GetNode + ListNodes took {took:.2f}s"
+                assert _age(node, asked) < FRESH, f"{_age(node, asked).total_seconds()}s"
+                assert [_age(n, asked) < FRESH for n in listed] == [True]
+        finally:
+            redis_private.resume()
 
 
 async def test_heartbeat_times_in_redis_only_move_forward(redis_server, stream_key):
@@ -195,21 +185,17 @@ async def test_node_controls_answer_without_reading_redis(
         return int(stats.get("cmdstat_mget", {}).get("calls", 0))
 
     try:
-        async with running_scheduler(s) as sched:
-            address = f"127.0.0.1:{sched.grpc_port}"
-            async with running_fleet(address, 1, heartbeat_interval_s=0.5) as fleet, \
-                    control_stub(address) as stub:
-                await fleet.wait_registered()
-                node_id = fleet.nodes[0].node_id
-                await _beat_a_while(fleet, datetime.now(UTC), beats=2)
-                before = await mgets()
-                for i in range(10):
-                    resp = await stub.SetNodeLabel(pb.SetNodeLabelRequest(
-                        node_id=node_id, key="k", value=str(i)))
-                    assert resp.accepted
-                    assert _age(resp.node, datetime.now(UTC)) < FRESH  # seen here
-                assert await mgets() == before
-                await stub.GetNode(pb.GetNodeRequest(node_id=node_id))
-                assert await mgets() == before + 1
+        async with serving_fleet(s, 1, heartbeat_interval_s=0.5) as (_sched, fleet, stub):
+            node_id = fleet.nodes[0].node_id
+            await _beat_a_while(fleet, datetime.now(UTC), beats=2)
+            before = await mgets()
+            for i in range(10):
+                resp = await stub.SetNodeLabel(pb.SetNodeLabelRequest(
+                    node_id=node_id, key="k", value=str(i)))
+                assert resp.accepted
+                assert _age(resp.node, datetime.now(UTC)) < FRESH  # seen here
+            assert await mgets() == before
+            await stub.GetNode(pb.GetNodeRequest(node_id=node_id))
+            assert await mgets() == before + 1
     finally:
         await client.aclose()

@@ -8,9 +8,7 @@ re-read the workload just before the call and drop it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
 from typing import Any
 
 from handlers.loops import CycleReport, loops_of
@@ -18,23 +16,10 @@ from handlers.reconcile import REAPPLY, Action
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,
-    control_stub,
     make_settings,
-    running_fleet,
-    running_scheduler,
+    serving_fleet,
 )
 from tests.fixtures.waiting import wait_for
-
-
-@contextlib.asynccontextmanager
-async def one_node(settings: Any, **fleet_options: Any) -> AsyncIterator[tuple[Any, Any, Any]]:
-    """A scheduler, one registered simulated agent, and a client of the scheduler."""
-    async with running_scheduler(settings) as scheduler:
-        address = f"127.0.0.1:{scheduler.grpc_port}"
-        async with running_fleet(address, 1, **fleet_options) as fleet, \
-                control_stub(address) as stub:
-            await fleet.wait_registered()
-            yield scheduler, fleet, stub
 
 
 async def placed(scheduler: Any, fleet: Any, stub: Any, workload_id: str,
@@ -53,7 +38,7 @@ async def test_a_reapply_planned_before_a_delete_is_not_sent(
     etcd_server, redis_server, key_root, stream_key
 ):
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
-    async with one_node(s) as (a, fleet, stub):
+    async with serving_fleet(s) as (a, fleet, stub):
         await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
         sim = await placed(a, fleet, stub, "w-del")
         node_id = sim.node_id
@@ -77,7 +62,7 @@ async def test_a_queued_apply_is_dropped_once_the_workload_is_deleted(
     etcd_server, redis_server, key_root, stream_key
 ):
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
-    async with one_node(s) as (a, fleet, stub):
+    async with serving_fleet(s) as (a, fleet, stub):
         sim = await placed(a, fleet, stub, "w-q")
         status = a.cluster.statuses.get("w-q").value  # type: ignore[union-attr]
         spec = a.cluster.specs.get("w-q").value  # type: ignore[union-attr]
@@ -93,7 +78,7 @@ async def test_a_queued_apply_superseded_by_a_newer_spec_is_dropped(
     etcd_server, redis_server, key_root, stream_key
 ):
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1")
-    async with one_node(s) as (a, fleet, stub):
+    async with serving_fleet(s) as (a, fleet, stub):
         sim = await placed(a, fleet, stub, "w-s")
         node_id = sim.node_id
         old = a.cluster.specs.get("w-s").value  # type: ignore[union-attr]
@@ -118,7 +103,7 @@ async def test_a_delete_the_agent_refuses_is_not_finalised(
     Deleting (an orphan otherwise), and the reconcile loop finishes the delete later."""
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1",
                       reconcile_interval_s=3600.0)
-    async with one_node(s) as (a, fleet, stub):
+    async with serving_fleet(s) as (a, fleet, stub):
         await wait_for(lambda: a.leader.is_leader, timeout=15, message="leader")
         sim = await placed(a, fleet, stub, "w-r")
         sim.behaviour = dataclasses.replace(sim.behaviour, refuse_deletes=True)
@@ -140,7 +125,7 @@ async def test_a_heartbeat_from_before_an_update_does_not_finish_it(
     must not turn Updating into Running: the new revision has not started."""
     s = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r1",
                       reconcile_interval_s=3600.0)
-    async with one_node(s, heartbeat_interval_s=900) as (a, fleet, stub):
+    async with serving_fleet(s, 1, heartbeat_interval_s=900) as (a, fleet, stub):
         node = await placed(a, fleet, stub, "w-u")
         await wait_for(lambda: node.workload_state("w-u") == "Running", message="running")
         await a.nodes.heartbeat(node.heartbeat_request())
