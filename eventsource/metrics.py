@@ -23,6 +23,9 @@ DESIRED_STATES = ("running", "stopped", "deleted", "unknown")
 #: the ``state_store_writes_total`` categories of keys the committer puts (Go counted each save
 #: of a spec, status or assignment; deletes were not counted)
 STATE_STORE_CATEGORIES = frozenset({"spec", "status", "assignment"})
+#: fine where delivery targets are (tens of milliseconds), coarse past a second
+EVENT_DELAY_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02,
+                       0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
 #: prometheus client_golang's DefBuckets, which the Go histograms used
 GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -153,6 +156,19 @@ class Metrics:
         self.events_dropped = Counter(
             "events_dropped", "events dropped (outbox overflow)",
             namespace=ns, subsystem=sub, registry=r,
+        )
+        # where an event's commit-to-delivery time goes: the decision's timestamp to the
+        # relay's append, and to the moment WatchEvents hands it to a client's stream (wall
+        # clocks of two replicas when another replica decided it, so clock offset included)
+        self.event_relay_delay = Histogram(
+            "event_relay_delay_seconds", "an event's timestamp (its decision, just before "
+            "commit) to its append to the stream, observed by the relay",
+            namespace=ns, subsystem=sub, registry=r, buckets=EVENT_DELAY_BUCKETS,
+        )
+        self.event_delivery_delay = Histogram(
+            "event_delivery_delay_seconds", "an event's timestamp to its hand-over to a "
+            "WatchEvents client's stream (live events, not the history a watcher replays)",
+            namespace=ns, subsystem=sub, registry=r, buckets=EVENT_DELAY_BUCKETS,
         )
         self.foreign_streams = Counter(
             "foreign_streams_moved", "foreign event streams renamed aside",

@@ -130,6 +130,8 @@ class OutboxRecord:
     revision: int
     seq: int
     value: bytes
+    #: the event's timestamp in epoch milliseconds (its decision), 0 if it has none
+    ts_ms: int = 0
 
     @property
     def order(self) -> IdKey:
@@ -150,7 +152,9 @@ def parse_record(kv: KeyValue) -> OutboxRecord | None:
         return None
     if seq < 0 or not isinstance(event_id, str) or not event_id or kv.mod_revision <= 0:
         return None
-    return OutboxRecord(key=kv.key, revision=kv.mod_revision, seq=seq, value=kv.value)
+    ts = body.get("ts")
+    return OutboxRecord(key=kv.key, revision=kv.mod_revision, seq=seq, value=kv.value,
+                        ts_ms=ts if isinstance(ts, int) and ts > 0 else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -659,6 +663,7 @@ class Relay:
         if chunk:
             self._metrics.events_relayed.inc(len(chunk))
             self._metrics.state_store_writes.labels("event").inc(len(chunk))
+            self._observe_delay(chunk)
         if plan.gap_ids:
             log.warning("relay: wrote EventsGap %s", ", ".join(plan.gap_ids))
         if self._after_append is not None:
@@ -678,6 +683,14 @@ class Relay:
         elif self._marking is None:
             self._marking = asyncio.create_task(self._mark_owed(lead),
                                                 name=f"relay-mark:{self.instance_id}")
+
+    def _observe_delay(self, appended: list[OutboxRecord]) -> None:
+        """Each event's decision-to-append time (``event_relay_delay_seconds``)."""
+        now_ms = self._clock.now().timestamp() * 1000.0
+        observe = self._metrics.event_relay_delay.observe
+        for record in appended:
+            if record.ts_ms:
+                observe(max(0.0, now_ms - record.ts_ms) / 1000.0)
 
     async def _settle_marking(self, lead: Leadership) -> None:
         """Mark everything appended; a failure (lost fence, etcd down) is raised here."""

@@ -21,7 +21,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -107,9 +108,15 @@ def history_gap(cursor: str, first: StreamEntry | None,
 class EventService:
     """Serves the event RPCs from one stream."""
 
-    def __init__(self, log_: RedisEventLog, tailer: StreamTailer) -> None:
+    def __init__(self, log_: RedisEventLog, tailer: StreamTailer, *,
+                 observe_delay: Callable[[float], None] | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.log = log_
         self.tailer = tailer
+        #: takes each live event's timestamp-to-hand-over time in seconds (the metric
+        #: event_delivery_delay_seconds); the history a watcher replays is not delivery delay
+        self._observe_delay = observe_delay
+        self._wall_clock = wall_clock
 
     @staticmethod
     async def _cursor(value: str, context: grpc.aio.ServicerContext) -> str | None:
@@ -268,9 +275,12 @@ class EventService:
                     if scan.done:
                         break
                     after = scan.scanned_to
+            observe = self._observe_delay
             while True:
                 entry = await sub.get()  # the subscription applies the filter
                 last_sent = entry.stream_id
+                if observe is not None and entry.ts > 0:
+                    observe(max(0.0, self._wall_clock() - entry.ts / 1000.0))
                 yield event_view(entry)
         except SubscriptionOverflow:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -268,7 +268,10 @@ class Scheduler:
         if self.redis is not None:
             self.event_log = RedisEventLog(self.redis, settings.event_stream)
             self.tailer = StreamTailer.from_url(self._redis_url(), settings.event_stream)
-            self.events = EventService(self.event_log, self.tailer)
+            self.events = EventService(
+                self.event_log, self.tailer,
+                observe_delay=self.metrics.event_delivery_delay.observe,
+                wall_clock=lambda: self.clock.now().timestamp())
         self.relay: Any = None
         self.supervisor = ModeSupervisor(self.etcd, self.layout, self.committer, self.mode,
                                          self.clock, allow_empty_state=settings.allow_empty_state,

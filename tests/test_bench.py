@@ -28,6 +28,7 @@ from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import bucket_quantile, percentile
 from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.stack import Stack, StackOptions
+from ops.benchlib.stages import describe_stages, describe_storage
 from ops.cli import build_parser
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc
 
@@ -40,6 +41,8 @@ BENCH_FIGURES = {
     "reconcile": {"cycle_time_p50_ms", "cycle_time_p99_ms", "agent_rpcs_per_cycle",
                   "etcd_writes_per_cycle", "heartbeat_etcd_writes_per_s", "scheduler_rss_mib"},
     "churn": {"killed", "recovery_s", "agent_rpcs_during_recovery"},
+    "events": {"events", "watchers", "event_latency_p50_ms", "event_latency_p99_ms",
+               "events_lost", "events_duplicated"},
 }
 TOP_KEYS = {"scenario", "nodes", "workloads", "replicas", "figures", "notes"}
 #: Short intervals so that steady state, cycles and recovery happen within seconds.
@@ -58,10 +61,10 @@ def run_bench(*args: str, limit_s: float = 60.0) -> tuple[dict, float]:
     return json.loads(last), elapsed
 
 
-def check_contract(result: dict, scenario: str) -> None:
+def check_contract(result: dict, scenario: str, workloads: int = 20) -> None:
     assert set(result) == TOP_KEYS
     assert result["scenario"] == scenario
-    assert (result["nodes"], result["workloads"], result["replicas"]) == (5, 20, 1)
+    assert (result["nodes"], result["workloads"], result["replicas"]) == (5, workloads, 1)
     assert set(result["figures"]) == BENCH_FIGURES[scenario]
     for key, value in result["figures"].items():
         if value is None:
@@ -83,6 +86,28 @@ def test_place_contract_and_no_node_over_capacity():
     assert figures["placements_per_s"] > 0
     assert figures["apply_latency_p50_ms"] <= figures["apply_latency_p99_ms"]
     assert elapsed < 60
+
+
+@pytest.mark.timeout(120)
+def test_events_contract_says_where_the_delivery_time_went():
+    """Besides its figures, the run tells which stage an event's time went to and how the
+    disk under etcd behaved, so a missed latency target can be traced to its cause."""
+    result, _ = run_bench("events", *FAST[:2], "--replicas", "1", "--watchers", "3",
+                          "--rate", "20")
+    check_contract(result, "events", workloads=0)
+    figures, notes = result["figures"], result["notes"]
+    assert figures["events"] == 200
+    assert figures["watchers"] == 3
+    assert figures["events_lost"] == 0
+    assert figures["events_duplicated"] == 0
+    assert re.search(r"SetNodeLabel as the client saw it .* p50 [\d.]+ p99 [\d.]+ ms",
+                     notes["stages"])
+    assert re.search(r"decision to stream append \(relay\) p50 [\d.]+ p99 [\d.]+ ms",
+                     notes["stages"])
+    assert re.search(r"hand-over to the watcher's stream p50 [\d.]+ p99 [\d.]+ ms",
+                     notes["stages"])
+    assert re.search(r"etcd WAL fsyncs during the run: [1-9]\d*, p99 [\d.]+ ms",
+                     notes["storage"])
 
 
 @pytest.mark.timeout(120)
@@ -268,6 +293,39 @@ def test_bucket_quantile_interpolates_and_flags_the_inf_bucket():
     assert value == 1.0
     assert "lower bound" in caveat
     assert bucket_quantile([(1.0, 0.0), (math.inf, 0.0)], 0.99) == (None, "")
+
+
+def test_stage_notes_read_histogram_deltas_and_say_what_is_missing():
+    before = MetricsSnapshot.parse(STAGE_METRICS.format(relay_fast=0, relay_all=0, fsync=0,
+                                                        fsync_all=0))
+    after = MetricsSnapshot.parse(STAGE_METRICS.format(relay_fast=90, relay_all=100, fsync=50,
+                                                       fsync_all=52))
+    text = describe_stages([0.002, 0.004], before, after)
+    assert text.startswith("SetNodeLabel as the client saw it (decide, commit, answer) "
+                           "p50 2.0 p99 4.0 ms")
+    # 90 of 100 within 10 ms: p50 interpolated in the first bucket, p99 in the second
+    assert "decision to stream append (relay) p50 5.6 p99 19.0 ms" in text
+    assert "hand-over to the watcher's stream: the target exports no" in text
+    assert "unknown (no /metrics" in describe_stages([], None, after)
+    storage = describe_storage(before, after, "/data")
+    assert storage is not None
+    assert storage.startswith("etcd WAL fsyncs during the run: 52, p99 ")
+    assert "2 over 64 ms" in storage
+    assert "under /data" in storage
+    assert describe_storage(before, before, "/data") is None  # no fsync in the window
+
+
+STAGE_METRICS = """\
+# TYPE persys_scheduler_event_relay_delay_seconds histogram
+persys_scheduler_event_relay_delay_seconds_bucket{{le="0.01"}} {relay_fast}
+persys_scheduler_event_relay_delay_seconds_bucket{{le="0.02"}} {relay_all}
+persys_scheduler_event_relay_delay_seconds_bucket{{le="+Inf"}} {relay_all}
+# TYPE etcd_disk_wal_fsync_duration_seconds histogram
+etcd_disk_wal_fsync_duration_seconds_bucket{{le="0.008"}} {fsync}
+etcd_disk_wal_fsync_duration_seconds_bucket{{le="0.064"}} {fsync}
+etcd_disk_wal_fsync_duration_seconds_bucket{{le="0.128"}} {fsync_all}
+etcd_disk_wal_fsync_duration_seconds_bucket{{le="+Inf"}} {fsync_all}
+"""
 
 
 def test_percentile_is_nearest_rank():

@@ -147,3 +147,51 @@ async def test_node_watchers_are_indexed_by_node(etcd_server, redis_server, key_
             await asyncio.gather(*consumers, return_exceptions=True)
         await wait_for(lambda: tailer.subscriber_count == 0, message="both unsubscribed")
         assert tailer._by_node == {}
+
+
+async def test_delay_histograms_time_the_relay_and_live_deliveries(etcd_server, redis_server,
+                                                                   key_root, stream_key):
+    """An operator reads where commit-to-delivery time goes: every relayed event is timed from
+    its decision to its append, and every live event a watcher receives to its hand-over. The
+    history a watcher replays when it connects is old news, not delivery delay."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(settings) as sched, control_stub(
+        f"127.0.0.1:{sched.grpc_port}"
+    ) as stub:
+        registry = sched.metrics.registry
+
+        def observed(name: str) -> float:
+            return registry.get_sample_value(f"persys_scheduler_{name}_count") or 0.0
+
+        await _register(stub, "d-node")
+        for i in range(3):
+            await _label(stub, "d-node", i)
+        await wait_for(lambda: _count(stub, "d-node", 3), message="history relayed")
+        # NodeJoined and the three labels, each timed once by the relay
+        await wait_for(lambda: observed("event_relay_delay_seconds") >= 4,
+                       message="relay delays observed")
+        relayed = observed("event_relay_delay_seconds")
+
+        received: list[pb.SchedulerEventView] = []
+        call = stub.WatchEvents(pb.WatchEventsRequest(node_id="d-node", type="NodeLabelSet"))
+
+        async def consume() -> None:
+            async for event in call:
+                received.append(event)
+                if len(received) >= 5:
+                    return
+
+        consumer = asyncio.create_task(consume())
+        await wait_for(lambda: len(received) >= 3, message="history replayed")
+        assert observed("event_delivery_delay_seconds") == 0
+        for i in range(3, 5):
+            await _label(stub, "d-node", i)
+        await asyncio.wait_for(consumer, 10)
+        call.cancel()
+        assert [e.details["value"] for e in received] == [str(i) for i in range(5)]
+        assert observed("event_delivery_delay_seconds") == 2
+        delivered_s = registry.get_sample_value("persys_scheduler_event_delivery_delay_seconds_sum")
+        assert delivered_s is not None
+        assert 0 <= delivered_s < 20  # seconds, not milliseconds
+        await wait_for(lambda: observed("event_relay_delay_seconds") >= relayed + 2,
+                       message="the live events' relay delays observed")

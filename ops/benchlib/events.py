@@ -24,6 +24,7 @@ import grpc
 from ops.benchlib.procs import CpuMeter
 from ops.benchlib.quantiles import percentile
 from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.stages import describe_stages, describe_storage
 from proto.persys.control.v1 import control_pb2
 
 FIGURES = ("events", "watchers", "event_latency_p50_ms", "event_latency_p99_ms",
@@ -75,6 +76,8 @@ async def run(ctx: BenchContext) -> Outcome:
     total = int(rate * DURATION_S)
     sent: list[str] = []
     ctx.log(f"events: {total} SetNodeLabel at {rate:g}/s over {len(node_ids)} watched nodes")
+    scraped_before = await ctx.stack.scrape_merged()
+    etcd_before = await ctx.stack.scrape_etcd()
     # which process bounds the rate: the bench itself (senders and watchers on one loop) counts
     cpu = CpuMeter(ctx.stack.process_pids())
     cpu.start()
@@ -82,15 +85,18 @@ async def run(ctx: BenchContext) -> Outcome:
     in_flight: set[asyncio.Task[Any]] = set()
 
     failed: dict[str, int] = {}
+    call_latencies: list[float] = []
 
     async def label(i: int) -> None:
         value = f"{run_tag}-{i}"
+        called = time.perf_counter()
         try:
             resp = await stubs[i % len(stubs)].SetNodeLabel(control_pb2.SetNodeLabelRequest(
                 node_id=node_ids[i % len(node_ids)], key="bench-tag", value=value))
         except grpc.aio.AioRpcError as exc:
             failed[exc.code().name] = failed.get(exc.code().name, 0) + 1
             return
+        call_latencies.append(time.perf_counter() - called)
         if resp.accepted:
             sent.append(value)
 
@@ -110,6 +116,8 @@ async def run(ctx: BenchContext) -> Outcome:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(all_in.wait(), DRAIN_S)
     cpu.stop()
+    scraped_after = await ctx.stack.scrape_merged()
+    etcd_after = await ctx.stack.scrape_etcd()
     for call in watch_calls:
         call.cancel()
     await asyncio.gather(*watchers, return_exceptions=True)
@@ -125,6 +133,10 @@ async def run(ctx: BenchContext) -> Outcome:
     out.figures["events_duplicated"] = sum(len(v) - 1 for v in received.values() if len(v) > 1)
     out.notes["rate"] = f"asked {rate:g}/s, sent {achieved:.0f}/s (SetNodeLabel answered)"
     out.notes["cpu"] = f"while sending and draining: {cpu.describe()}"
+    out.notes["stages"] = describe_stages(call_latencies, scraped_before, scraped_after)
+    storage = describe_storage(etcd_before, etcd_after, str(ctx.stack.workdir))
+    if storage is not None:
+        out.notes["storage"] = storage
     if failed:
         out.notes["events"] = "SetNodeLabel failed: " + ", ".join(
             f"{count} {code}" for code, count in sorted(failed.items()))

@@ -380,6 +380,18 @@ class Stack:
         snaps = [s for s in await self.scrape() if s is not None]
         return MetricsSnapshot.merge(snaps) if snaps else None
 
+    async def scrape_etcd(self) -> MetricsSnapshot | None:
+        """``/metrics`` of the etcd the bench started (None for an external one, or no
+        answer): its disk figures tell a slow disk from a slow scheduler."""
+        if self._etcd is None or not self.etcd_url:
+            return None
+        address = self.etcd_url.split("://", 1)[-1].split(",", 1)[0].rstrip("/")
+        try:
+            body = await http_get(address, "/metrics", timeout=10.0)
+        except (OSError, HttpError, ValueError):
+            return None
+        return MetricsSnapshot.parse(body.decode("utf-8", errors="replace"))
+
     async def health(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for addr in self.metrics_addrs:
