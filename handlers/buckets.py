@@ -786,7 +786,17 @@ class BucketCommands:
                                       f"has credentials in Vault already: {leftover_hint}"
                 ) from None
             failure = exc
+        except asyncio.CancelledError:
+            # cancelled (the client's deadline) while the write ran: it took effect in its
+            # thread, and the claim would block the name for CLAIM_LIVE_S
+            await asyncio.shield(self._keep(self._release_claim(vault, bucket, nonce)))
+            raise
         # the answer was lost: the claim may be there, and it would be nobody's
+        await self._release_claim(vault, bucket, nonce)
+        raise BucketError("UNAVAILABLE", f"claiming the name in Vault: {failure}") from None
+
+    async def _release_claim(self, vault: VaultKV, bucket: str, nonce: str) -> None:
+        """Remove the claim with ``nonce`` if it is there (its write's answer never came)."""
         try:
             held = await vault.read(self.config.kv_mount, self._kv_path(bucket))
             if held is not None and held.get("claim") == nonce:
@@ -794,7 +804,6 @@ class BucketCommands:
         except VaultError as exc:
             log.warning("bucket %s: the claim write failed and could not be checked: %s",
                         bucket, exc)
-        raise BucketError("UNAVAILABLE", f"claiming the name in Vault: {failure}") from None
 
     async def _rollback(self, bucket: str, made: Mapping[str, str]) -> list[str]:
         """Undo a failed create: the bucket (only if this call made it), the user, and last the

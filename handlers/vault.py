@@ -25,11 +25,12 @@ messages; errors are ``VaultError`` with a ``kind`` the bucket API maps to a gRP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 import hvac  # type: ignore[import-untyped]
@@ -65,6 +66,15 @@ def refresh_after(lease_s: float) -> float:
     if after < 60.0:
         after = lease - 10.0
     return max(after, min(30.0, lease * 0.5))
+
+
+async def _until_done(call: Future[Any]) -> None:
+    """Wait until a call already running in its thread has ended, whatever its outcome; a
+    call still queued is cancelled."""
+    if call.cancel() or call.done():
+        return
+    with contextlib.suppress(Exception):  # its own error is answered elsewhere
+        await asyncio.shield(asyncio.wrap_future(call))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -170,14 +180,23 @@ class VaultKV:
             raise VaultError("unavailable", "vault client is closed")
         # login + call + one retry after re-login, each bounded by the requests timeout
         deadline = self.config.timeout_s * 2 + 5.0
-        loop = asyncio.get_running_loop()
+        started: Future[T] | None = None
         try:
             async with asyncio.timeout(deadline):
                 async with self._slots:
-                    return await loop.run_in_executor(self._executor, self._call, call, what)
+                    started = self._executor.submit(self._call, call, what)
+                    return await asyncio.wrap_future(started)
         except TimeoutError as exc:
+            if started is not None:
+                await _until_done(started)
             raise VaultError("unavailable", f"vault {what}: no answer within {deadline:.0f}s"
                              ) from exc
+        except asyncio.CancelledError:
+            # the call goes on in its thread (a write takes effect): whoever undoes it next
+            # must see it, so the cancellation waits for it (bounded by the requests timeout)
+            if started is not None:
+                await _until_done(started)
+            raise
 
     def _call(self, call: Callable[[Any], T], what: str) -> T:
         """On a vault thread: authenticate if needed, call, re-login once on 401/403."""
