@@ -689,7 +689,14 @@ class ReconcileLoop(_Shell):
             if normalize_desired_state(spec.desired_state) == "Deleted":
                 return False
             status = copy_record(status_item.value)
-            placed = c._place(spec, status)
+            # its local disks pin it to their node, and its disks follow it; read before
+            # deciding: no await between the decision and its reservation
+            disks, pin = await self.relocator.disks_for_placement(spec, workload_id)
+            if pin is None:
+                log.debug("reconcile: workload_id=%s has local disks on different nodes",
+                          workload_id)
+                return False
+            placed = c._place(spec, status, only=pin)
             if isinstance(placed, Outcome):
                 log.debug("reconcile: no node fits workload_id=%s: %s", workload_id,
                           placed.message)
@@ -697,6 +704,11 @@ class ReconcileLoop(_Shell):
             mark_apply_requested(placed.status, spec, rfc3339(now))
             change = placed.change
             change.kind = "reconcile"
+            disk_compares, disk_puts = self.relocator._move_disks(
+                disks, workload_id, from_node=str(status.metadata.get("previous_node") or ""),
+                to_node=placed.node_id)
+            change.compares.extend(disk_compares)
+            change.puts.extend(disk_puts)
             change.compares.append(Compare.mod(self.layout.status(workload_id),
                                                status_item.mod_revision))
             change.puts.append(Put(self.layout.status(workload_id), encode(placed.status),

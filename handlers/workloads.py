@@ -432,11 +432,22 @@ class WorkloadCommands:
                 compares.append(resized[0])
                 puts.append(resized[1])
         if not status.node_id and spec.desired_state != "Deleted":
-            placed = self._place(spec, status)
+            # its disks decide where it may go, and follow it (as in the reconcile placement)
+            relocator = Relocator(self)
+            disks, pin = await relocator.disks_for_placement(spec, spec.id)
+            if pin is None:
+                return Outcome(False, "INSUFFICIENT_RESOURCES",
+                               "its local disks are on different nodes")
+            placed = self._place(spec, status, only=pin)
             if isinstance(placed, Outcome):
                 return placed
             compares += placed.change.compares
             puts += placed.change.puts
+            disk_compares, disk_puts = relocator._move_disks(
+                disks, spec.id, from_node=str(status.metadata.get("previous_node") or ""),
+                to_node=placed.node_id)
+            compares += disk_compares
+            puts += disk_puts
             status = placed.status
         if status.node_id and spec.desired_state != "Deleted":
             mark_apply_requested(status, spec, now)
@@ -746,6 +757,17 @@ class Relocator:
         if not disk_ids:
             return {}
         return await load_disks(self.c.committer.etcd, self.c.layout, disk_ids)
+
+    async def disks_for_placement(self, spec: WorkloadSpec, workload_id: str
+                                  ) -> tuple[dict[str, Found], str | None]:
+        """For placing an unassigned workload again: its disks as read, and the node its
+        local disks pin it to ("" when none; None when they are on different nodes)."""
+        disks = await self._disks_of(spec)
+        pins = {str(record["nodeId"]) for _, record, _ in used_by(disks, workload_id)
+                if record.get("driver") == "local" and record.get("nodeId")}
+        if len(pins) > 1:
+            return disks, None
+        return disks, next(iter(pins), "")
 
     def _move_disks(self, disks: dict[str, Found], workload_id: str, *, from_node: str,
                     to_node: str) -> tuple[list[Compare], list[Put]]:
