@@ -724,6 +724,12 @@ class ReconcileLoop(_Shell):
                 c.placer.release(workload_id)
                 await c._catch_up(exc)
                 raise
+            except BaseException:
+                # etcd unavailable, a timeout, the cycle cancelled at a lost leadership: as
+                # ApplyWorkload's and the relocator's placements, never leave the hold behind
+                # (a commit that did land shows in the allocation, which counts it)
+                c.placer.release(workload_id)
+                raise
             # a failed apply is recorded on the status record: let this replica's projection
             # show the placement first, or that record would find nothing to update
             await self.cluster.wait_for(committed.revision, which=("statuses",))
