@@ -4,12 +4,17 @@ reservations of leader-loop placements, on real etcd and Redis."""
 from __future__ import annotations
 
 import copy
+import time
+
+import pytest
 
 from eventsource.commit import Change
-from eventsource.errors import Unavailable
-from eventsource.etcd import Compare, Put
+from eventsource.errors import NotLeader, Unavailable
+from eventsource.etcd import Compare, Delete, Put
 from eventsource.records import encode
-from tests.fixtures.harness import make_settings
+from tests.fixtures.harness import make_settings, running_fleet, running_scheduler
+from tests.fixtures.metrics import counter_total
+from tests.fixtures.waiting import wait_for
 from tests.test_reconcile import QUIET, stack
 
 
@@ -55,3 +60,108 @@ async def test_a_reconcile_placement_whose_commit_fails_leaves_no_reservation(
         assert report.failed["Assign"] == 1
         assert sched.placer.reservations.holds() == {}
         assert dict(sched.placer.reservations.by_node) == {}
+
+
+async def test_a_stopped_leader_hands_over_well_before_its_lease_ttl(
+        etcd_server, redis_server, key_root, stream_key) -> None:
+    """A clean shutdown revokes the leader's lease: the standby must not wait out the TTL."""
+    first = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="a",
+                          leader_lease_ttl_s=15, leader_renew_deadline_s=10.0)
+    second = first.with_overrides(instance_id="b")
+    async with running_scheduler(first) as a:
+        await wait_for(lambda: a.leader.is_leader, timeout=15, message="a never led")
+        b_cm = running_scheduler(second)
+        b = await b_cm.__aenter__()
+        try:
+            assert not b.leader.is_leader
+            stopped_at = time.monotonic()
+            await a.stop()
+            await wait_for(lambda: b.leader.is_leader, timeout=14,
+                           message="standby did not take over before the TTL")
+            took = time.monotonic() - stopped_at
+        finally:
+            await b_cm.__aexit__(None, None, None)
+    assert took < 6.0, took
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(120)
+async def test_a_replica_leads_again_after_an_etcd_outage_longer_than_its_ttl(
+        etcd_private, redis_server, key_root, stream_key) -> None:
+    settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                             leader_lease_ttl_s=3, leader_renew_deadline_s=2.0)
+    async with running_scheduler(settings) as sched:
+        await wait_for(lambda: sched.leader.is_leader, timeout=15, message="no leader")
+        etcd_private.pause()
+        try:
+            await wait_for(lambda: not sched.leader.is_leader, timeout=10,
+                           message="still leader with etcd stopped")
+            # demoted: the term ended and its session was closed (not revived)
+            await wait_for(lambda: sched.leader.leadership is None, timeout=15,
+                           message="never demoted with etcd stopped")
+        finally:
+            etcd_private.resume()
+        await wait_for(lambda: sched.leader.is_leader, timeout=30,
+                       message="never re-campaigned after the outage")
+
+
+@pytest.mark.xfail(strict=True, reason="review: shard topology is checked per replica only")
+@pytest.mark.timeout(120)
+async def test_replicas_with_different_shard_counts_never_both_drive_one_node(
+        etcd_server, redis_server, key_root, stream_key) -> None:
+    """A rolling change of SCHEDULER_SHARD_COUNT (2 -> 3) runs old and new replicas together.
+    ARCHITECTURE 4: "invalid shard topology fails at start". Each replica only checks its own
+    variables, so an old replica (count 2, index 0) and a new one (count 3, index 1) lead
+    different election prefixes at once and both reconcile the nodes that
+    crc32 % 2 == 0 and crc32 % 3 == 1 map to both of them."""
+    old = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="old-0",
+                        ha_mode="active-active", shard_count=2, shard_index=0,
+                        reconcile_interval_s=0.5)
+    new = old.with_overrides(instance_id="new-1", shard_count=3, shard_index=1)
+    async with running_scheduler(old) as a, running_scheduler(new) as b:
+        address = f"127.0.0.1:{a.grpc_port}"
+        async with running_fleet(address, 12, prefix="mix-node-") as fleet:
+            await fleet.wait_registered()
+
+            def doubly_driven() -> list[str]:
+                return [node.node_id for node in fleet.nodes
+                        if {inst for (method, inst), n in node.callers.items()
+                            if method == "ListWorkloads" and n} == {"old-0", "new-1"}]
+
+            await wait_for(lambda: a.leader.is_leader and b.leader.is_leader, timeout=15)
+            # three full cycles each after the fleet registered
+            await wait_for(lambda: counter_total(a.metrics.reconcile_cycles) >= 3
+                           and counter_total(b.metrics.reconcile_cycles) >= 3, timeout=20)
+            assert doubly_driven() == []
+
+
+@pytest.mark.xfail(strict=True, reason="review: the own-key check polls every second")
+async def test_a_leader_whose_key_is_deleted_never_guards_agent_calls_beside_its_successor(
+        etcd_server, redis_server, key_root, stream_key) -> None:
+    """docs/operations.md: a leader whose election key is deleted "stops leading ... so a
+    successor never shares the role with it". The successor's campaign watch fires at once;
+    the old leader polls its key every second and its agent-RPC guard only looks at the
+    lease, so both pass the guard at the same moment."""
+    first = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="a",
+                          leader_lease_ttl_s=10, leader_renew_deadline_s=7.0)
+    second = first.with_overrides(instance_id="b")
+    async with running_scheduler(first) as a:
+        await wait_for(lambda: a.leader.is_leader, timeout=15, message="a never led")
+        async with running_scheduler(second) as b:
+            lead = a.leader.leadership
+            assert lead is not None
+            await a.etcd.txn([], [Delete(lead.key)])
+            await wait_for(lambda: b.leader.is_leader, interval=0.001, timeout=10)
+
+            def guards() -> bool:
+                try:
+                    a.agents.guard()
+                except NotLeader:
+                    return False
+                return True
+
+            overlap_started = time.monotonic()
+            still = guards()
+            await wait_for(lambda: not guards(), interval=0.001, timeout=10)
+            overlap = time.monotonic() - overlap_started
+            assert not still, f"both replicas pass the leader guard for {overlap:.3f}s"
