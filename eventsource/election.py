@@ -35,12 +35,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 from eventsource.clock import Clock, SystemClock
-from eventsource.errors import Compacted, LeaseLost, NotLeader, Unavailable, WatchCanceled
+from eventsource.errors import (
+    Compacted,
+    Conflict,
+    LeaseLost,
+    NotLeader,
+    Unavailable,
+    WatchCanceled,
+)
 from eventsource.etcd import AsyncEtcd, Compare, Delete, Get, KeyValue, Put, b64
 from eventsource.keys import prefix_end
 from eventsource.watch import WatchStream
@@ -282,11 +290,14 @@ class Election:
         *,
         poll_interval: float = 1.0,
         abandon_timeout: float = 2.0,
+        guard: Sequence[Compare] = (),
     ) -> None:
         self._etcd = etcd
         self._session = session
         self.prefix = prefix.rstrip("/")
         self.value = value
+        #: compares the candidacy itself needs to hold (the shard topology it campaigns with)
+        self._guard = tuple(guard)
         self._poll_interval = poll_interval
         self._abandon_timeout = abandon_timeout
         self._key = ""
@@ -304,6 +315,7 @@ class Election:
 
         Raises:
             LeaseLost: the session's lease is gone (before, during or right after the wait).
+            Conflict: a compare of ``guard`` failed; no candidate key was written.
             Unavailable: etcd could not be reached; the candidate key is removed (best effort).
         """
         session = self._session
@@ -312,7 +324,7 @@ class Election:
         lease_id = session.lease_id
         key = leader_key(self.prefix, lease_id)
         result = await self._etcd.txn(
-            [Compare.absent(key)],
+            [Compare.absent(key), *self._guard],
             [Put(key, self.value.encode(), lease=lease_id, category="election")],
             [Get(key)],
         )
@@ -320,10 +332,12 @@ class Election:
         if result.succeeded:
             create_revision = result.revision
         else:
-            # our key already exists (a second campaign on the same session): keep its term
             kvs = result.range_kvs(0)
-            if not kvs:  # the compare failed, so the get in the same txn must see the key
-                raise Unavailable(f"campaign {key}: inconsistent txn answer")
+            if not kvs:  # our key is absent, so a compare of the guard failed
+                raise Conflict(f"campaign {key}: a guarded key changed", revision=result.revision)
+            # our key already exists (a second campaign on the same session): keep its term
+            if self._guard and not (await self._etcd.txn(self._guard, [])).succeeded:
+                raise Conflict(f"campaign {key}: a guarded key changed", revision=result.revision)
             existing = kvs[0]
             create_revision = existing.create_revision
         self._key, self._create_revision = key, create_revision

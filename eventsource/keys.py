@@ -120,6 +120,16 @@ class KeyLayout:
         """Who led a shard last (never under the election prefix, which Go ranges)."""
         return self._k(f"/persys/scheduler/leadership/{label}")
 
+    @property
+    def topology(self) -> str:
+        """The shard topology every campaigning replica agrees on (handlers/topology.py)."""
+        return self._k("/persys/scheduler/topology")
+
+    @property
+    def leader_elections(self) -> str:
+        """Every election key of the leader, failover and shards alike."""
+        return self._k("/persys/scheduler/leader/")
+
     def leader_election(self, *, active_active: bool, shard_index: int) -> str:
         """The Go version's election prefix (``concurrency.Election`` semantics)."""
         if active_active:

@@ -36,6 +36,7 @@ from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.stream import reraise_swallowed_cancel
+from handlers.topology import Topology, TopologyMismatch, settle_topology
 
 log = logging.getLogger("persys.leader")
 
@@ -60,6 +61,10 @@ class Loop:
     name: str
     interval_s: float
     body: Callable[[], Awaitable[None]]
+
+
+#: how often a replica whose shard settings differ from the cluster's checks again
+TOPOLOGY_RETRY_S = 10.0
 
 
 class LeaderGate:
@@ -96,6 +101,10 @@ class LeaderGate:
         self.renew_deadline_s = renew_deadline_s
         self.recampaign_backoff_s = recampaign_backoff_s
         self.prefix = layout.leader_election(active_active=active_active, shard_index=shard_index)
+        #: what every replica that campaigns must agree on (handlers/topology.py)
+        self.topology = Topology("active-active" if active_active else "failover", shard_count)
+        #: why this replica does not campaign ("" while it may)
+        self.topology_problem = ""
         self.loops: list[Loop] = []
         self.leadership: Leadership | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -215,11 +224,19 @@ class LeaderGate:
         while True:
             session = Session(self.etcd, ttl=self.lease_ttl_s, clock=self.clock,
                               renew_deadline=self.renew_deadline_s)
+            backoff = self.recampaign_backoff_s
             try:
+                guard = await settle_topology(self.etcd, self.layout, self.topology)
+                self.topology_problem = ""
                 await session.start()
-                election = Election(self.etcd, session, self.prefix, self.instance_id)
+                election = Election(self.etcd, session, self.prefix, self.instance_id,
+                                    guard=[guard])
                 leadership = await election.campaign()
                 await self._lead(leadership, election, session)
+            except TopologyMismatch as exc:
+                # not a passing failure: it lasts until an operator acts, so say it loudly
+                self.topology_problem = str(exc)
+                backoff = max(backoff, TOPOLOGY_RETRY_S)
             except (StoreError, LeaseLost) as exc:
                 log.warning("election %s: %s", self.prefix, exc)
             except Exception:
@@ -232,7 +249,10 @@ class LeaderGate:
                     await session.close()
                 except StoreError as exc:
                     log.info("session close: %s", exc)
-            await asyncio.sleep(self.recampaign_backoff_s)
+            if self.topology_problem:
+                log.error("election %s: not campaigning: %s", self.prefix,
+                          self.topology_problem)
+            await asyncio.sleep(backoff)
 
     async def _lead(self, leadership: Leadership, election: Election, session: Session) -> None:
         self.leadership = leadership

