@@ -371,7 +371,7 @@ async def plan_by_node(specs: Mapping[str, WorkloadSpec], statuses: Mapping[str,
     remembered: dict[str, tuple[SteadyKey, tuple[str, ...]]] = {}
     for node, ids in groups.items():
         facts = node_facts(node, nodes, observations, evictable)
-        available, listed, _ = facts
+        available, listed, _, _ = facts
         view = nodes.get(node)
         key: SteadyKey | None = None
         if available and listed is not None and view is not None:

@@ -240,7 +240,8 @@ def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy,
 
 def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: ObservedWorkload | None,
                   *, node_available: bool, node_observed: bool, now: datetime,
-                  policy: RetryPolicy, evictable: bool = True) -> Action:
+                  policy: RetryPolicy, evictable: bool = True,
+                  node_alive: bool = False) -> Action:
     """The one action for a workload this cycle (see the module docstring for the order).
 
     Args:
@@ -249,6 +250,8 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
         node_available: the assigned node exists, is Ready/Active/Draining and alive.
         node_observed: the assigned node's ListWorkloads succeeded this cycle.
         evictable: the disruption guard lets the workloads of the (unavailable) node move.
+        node_alive: the assigned node exists and its liveness key is there: unavailable or
+            unanswering, it may still run the workload (a delete then waits for it).
     """
     wid = spec.id or status.id
     node = node_of(status)
@@ -265,10 +268,12 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
 
     # 1. deletion
     if desired == DELETED:
-        if not node or not node_available:
-            return act(FINALIZE, "no node holds it" if not node else "its node is unavailable")
-        if not node_observed:
-            return act(UNOBSERVED, "its node's workload list is unknown this cycle")
+        if not node or not (node_available or node_alive):
+            return act(FINALIZE, "no node holds it" if not node else "its node is gone")
+        if not node_available or not node_observed:
+            # alive but not answering (or not serving): the agent may still run it, and
+            # finalising would leave it running there with no state (docs: evidence only)
+            return act(UNOBSERVED, "its node is alive but its workload list is unknown")
         if observed is not None:
             return act(DELETE, "desired Deleted and still on the agent")
         return act(FINALIZE, "gone from the agent")
@@ -411,20 +416,22 @@ class CyclePlan:
 
 
 #: what planning needs of an owned node: (available, its listing if the list succeeded, may its
-#: workloads move)
-NodeFacts = tuple[bool, Mapping[str, ObservedWorkload] | None, bool]
+#: workloads move, exists and is alive)
+NodeFacts = tuple[bool, Mapping[str, ObservedWorkload] | None, bool, bool]
 
 
 def node_facts(node: str, nodes: Mapping[str, NodeView],
                observations: Mapping[str, NodeObservation],
                evictable: Callable[[str], bool] | None) -> NodeFacts:
-    """(available, its listing if the list succeeded, may its workloads move) of an owned node."""
+    """(available, its listing if the list succeeded, may its workloads move, exists and is
+    alive) of an owned node."""
     view = nodes.get(node)
     available = view.available if view is not None else False
     obs = observations.get(node)
     listed = obs.workloads if obs is not None and obs.ok else None
     may_move = available or evictable is None or evictable(node)
-    return available, listed, may_move
+    alive = view is not None and view.exists and view.alive
+    return available, listed, may_move, alive
 
 
 def plan_node(node: str, workload_ids: Iterable[str], specs: Mapping[str, WorkloadSpec],
@@ -438,7 +445,7 @@ def plan_node(node: str, workload_ids: Iterable[str], specs: Mapping[str, Worklo
     create writes both in one transaction, so that is a half-visible projection, not a state to
     repair), and so are Completed and Deleted ones (E4 step 2) and those in ``exclude``.
     """
-    available, listed, may_move = facts
+    available, listed, may_move, alive = facts
     for workload_id in sorted(workload_ids):
         spec = specs.get(workload_id)
         status = statuses.get(workload_id)
@@ -451,7 +458,7 @@ def plan_node(node: str, workload_ids: Iterable[str], specs: Mapping[str, Worklo
             continue
         actions.append(plan_workload(spec, status, seen, node_available=available,
                                      node_observed=listed is not None, now=now, policy=policy,
-                                     evictable=may_move))
+                                     evictable=may_move, node_alive=alive))
 
 
 def plan_unassigned(workload_ids: Iterable[str], specs: Mapping[str, WorkloadSpec],
