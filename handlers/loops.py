@@ -152,7 +152,7 @@ LEGACY_WORKLOAD_TYPES = ("container", "compose")
 #: an agent message kept on a status
 MESSAGE_CHARS = 1024
 #: how long drift detection waits for the projections to reach etcd's revision of the moment
-#: before the agents were listed (normally milliseconds)
+#: the agents were listed (normally milliseconds)
 DRIFT_FRESHNESS_WAIT_S = 5.0
 #: actions whose own status write makes a separate state_mismatch alignment redundant
 STATUS_WRITING = frozenset({SETTLE, REAPPLY, APPLY_STOPPED, COUNT_FAILURE, MARK_TERMINAL})
@@ -480,8 +480,11 @@ class ReconcileLoop(_Shell):
         started = time.perf_counter()
         views = self.node_views()
         targets = [v for v in views.values() if v.available and self.leader.owns(v.node_id)]
-        drift_at = await self._drift_revision() if report.drift else None
         observations = await self._prefetch(targets, report)
+        # read after the listing: what an agent listed was committed before it was listed, so
+        # projections at this revision know it (one read before the listing missed workloads
+        # created by another replica while this cycle listed, and deleted them as orphans)
+        drift_at = await self._drift_revision() if report.drift else None
         if drift_at is not None:
             report.drift = await self._caught_up_for_drift(drift_at)
         elif report.drift:
@@ -532,7 +535,7 @@ class ReconcileLoop(_Shell):
             self.metrics.reconcile_phase_seconds.labels(phase).inc(seconds)
 
     async def _drift_revision(self) -> int | None:
-        """etcd's revision before the agents are listed; None (no drift this cycle) if etcd
+        """etcd's revision once the agents were listed; None (no drift this cycle) if etcd
         does not answer."""
         try:
             return await self.committer.etcd.current_revision()
@@ -541,7 +544,7 @@ class ReconcileLoop(_Shell):
             return None
 
     async def _caught_up_for_drift(self, revision: int) -> bool:
-        """Whether the projections show etcd as it was before the agents were listed.
+        """Whether the projections show etcd as it was once the agents were listed.
 
         Drift compares what agents run with what etcd says; a projection frozen behind (a
         watch reconnecting, a re-list after compaction) would call a workload another replica

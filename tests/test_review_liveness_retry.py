@@ -197,3 +197,55 @@ async def test_a_lost_node_that_still_holds_workloads_is_not_removed(
         await wait_for(finalised, timeout=20, message="finalised on its dead node")
         later = await wait_for(lambda: monitor_at(700), timeout=10)
         assert later.collected == [victim.node_id]
+
+
+async def test_drift_never_deletes_a_workload_created_while_the_agents_were_listed(
+        etcd_server, redis_server, key_root, stream_key, monkeypatch):
+    """Drift compares each agent's listing with the projections, waiting until they show etcd
+    as of a revision. That revision was read *before* the listing: a workload another replica
+    created (and applied) while this cycle listed its thousands of agents is listed by its
+    agent but, with this replica's watch a little behind, unknown to the projections, so it
+    was classified an orphan and deleted from its agent. What an agent lists was committed
+    before it was listed: the revision to wait for is the one after the listing."""
+    from eventsource.etcd import Put
+    from eventsource.records import WorkloadSpec, WorkloadStatus, encode
+    from handlers import loops as loops_module
+    from tests.test_reconcile import agent_apply
+
+    monkeypatch.setattr(loops_module, "DRIFT_FRESHNESS_WAIT_S", 0.3)
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
+    async with stack(settings, 1, heartbeat_interval_s=900) as s:
+        s.fleet.hold_control(True)
+        await s.caught_up()
+        node = s.fleet.nodes[0]
+        cluster = s.sched.cluster
+        held: list[Any] = []
+        fold = cluster.apply
+        agents = s.sched.agents
+        listing = agents.list_workloads_raw
+        layout = s.sched.layout
+
+        async def created_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            # another replica creates and applies a workload while this cycle lists; this
+            # replica's watch is a moment behind
+            cluster.apply = held.append  # type: ignore[method-assign]
+            spec = WorkloadSpec(id="fresh", type="container", image="new:1",
+                                desired_state="Running", revision_id="rev-f")
+            status = WorkloadStatus(id="fresh", node_id=node.node_id,
+                                    assigned_node=node.node_id, status="Scheduled")
+            await s.sched.etcd.txn([], [Put(layout.spec("fresh"), encode(spec)),
+                                        Put(layout.status("fresh"), encode(status))])
+            await agent_apply(node.endpoint, "fresh", "rev-f")
+            return await listing(*args, **kwargs)
+
+        monkeypatch.setattr(agents, "list_workloads_raw", created_meanwhile)
+        try:
+            report = await s.loops.reconcile.run_once(drift=True)
+        finally:
+            cluster.apply = fold  # type: ignore[method-assign]
+            for batch in held:
+                fold(batch)
+        assert "fresh" in node.workload_ids(), (
+            f"deleted from its agent as an orphan: {report.drifts}")
+        assert not any(f.workload_id == "fresh" for f in report.drifts)
