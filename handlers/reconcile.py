@@ -41,11 +41,13 @@ from typing import Any, NamedTuple
 from eventsource.events import parse_rfc3339
 from eventsource.records import Node, WorkloadSpec, WorkloadStatus
 from handlers.retry import (
+    FAILURE_COUNTED_FOR,
     SUCCESS_CLEARS,
     ReapplyState,
     RetryPolicy,
     exhausted,
     failure_counted,
+    is_vm,
     needs_success_reset,
     reapply_guard,
     retry_wait,
@@ -329,8 +331,15 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
         if actual == FAILED:
             if failure_counted(status):
                 return act(REAPPLY, "retry due after a failed attempt")
-            return act(COUNT_FAILURE, observed.message if observed and observed.message
-                       else "workload failed on the agent")
+            failed = (observed.message if observed and observed.message
+                      else "workload failed on the agent")
+            if FAILURE_COUNTED_FOR in status.metadata and is_vm(spec.type):
+                # a VM re-applied after a counted failure boots for minutes, and meanwhile an
+                # agent lists its old Failed (persys-facts I13): the failure already counted.
+                # The re-apply guard (at least the VM apply timeout, I14) bounds the wait, as
+                # Go's guard did (E4 step 8); a container's apply shows its outcome at once
+                return guarded(COUNT_FAILURE, failed)
+            return act(COUNT_FAILURE, failed)
         if actual in (MISSING, STOPPED):
             return guarded(REAPPLY, f"desired Running, agent says {actual}")
         if revision_drift:

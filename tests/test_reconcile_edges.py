@@ -7,7 +7,6 @@ from datetime import timedelta
 from typing import Any
 
 import grpc
-import pytest
 
 from handlers.reconcile import COUNT_FAILURE, REAPPLY
 from ops.sim import NodeBehaviour
@@ -88,9 +87,6 @@ async def test_a_delete_is_not_finalised_while_the_node_is_alive_but_does_not_an
         assert node.workload_state("w") is None
 
 
-@pytest.mark.xfail(strict=True, reason="an observed Failed is counted against the budget for "
-                   "the re-apply still in flight (its listing is stale, persys-facts I13), and "
-                   "the failed workload is re-applied every other cycle without the guard")
 async def test_a_stale_failed_listing_is_not_charged_to_the_reapply_in_flight(
         etcd_server, redis_server, key_root, stream_key, monkeypatch):
     """persys-facts I13: a Go agent's ListWorkloads omits the task-queue overlay, so while an
