@@ -72,11 +72,15 @@ class Committer:
     def set_fence(self, fence: Callable[[], list[Compare]] | None) -> None:
         self._fence = fence
 
-    async def commit(self, change: Change, *, fenced: bool = False) -> Committed:
+    async def commit(self, change: Change, *, fenced: bool = False,
+                     on_commit: Callable[[int], None] | None = None) -> Committed:
         """Apply ``change`` atomically or raise ``Conflict``.
 
         ``fenced`` adds the leader fence (the compare on this replica's election key), used by
-        every leader-only write.
+        every leader-only write. ``on_commit(revision)`` runs once the change is committed,
+        also when the caller was cancelled meanwhile (a client that gave up at its deadline
+        while the transaction was on its way): the step that must follow a commit (an agent
+        call) is not lost with the caller.
         """
         compares = list(change.compares)
         if fenced:
@@ -86,6 +90,8 @@ class Committer:
         events = change.events if self.outbox_enabled else []
         if not (change.puts or change.deletes or events):
             self._count_unrecorded(change)
+            if on_commit is not None:
+                on_commit(0)
             return Committed(revision=0)
         ops = len(change.puts) + len(change.deletes) + len(events)
         if ops > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
@@ -93,7 +99,7 @@ class Committer:
             raise ValueError(f"transaction too large: {ops} ops, {len(compares)} compares")
         pending = Pending(kind=change.kind, compares=compares, puts=list(change.puts),
                           deletes=list(change.deletes), events=list(events),
-                          outbox=self.outbox_enabled)
+                          outbox=self.outbox_enabled, on_commit=on_commit)
         succeeded, revision = await self._group.submit(pending)
         if not succeeded:
             self.metrics.etcd_txns.labels(change.kind, "conflict").inc()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -71,6 +72,18 @@ class Pending:
     outbox: bool
     future: asyncio.Future[tuple[bool, int]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    #: called with the revision once the change is committed, even when its caller has
+    #: stopped waiting (cancelled): what must follow a commit does not depend on the caller
+    on_commit: Callable[[int], None] | None = None
+
+    def committed(self, succeeded: bool, revision: int) -> None:
+        """Settle the caller and run ``on_commit`` (a success only)."""
+        if succeeded and self.on_commit is not None:
+            try:
+                self.on_commit(revision)
+            except Exception:
+                log.exception("after-commit step failed kind=%s", self.kind)
+        settle(self.future, result=(succeeded, revision))
 
     def written_keys(self) -> set[str]:
         return {p.key for p in self.puts} | {d.key for d in self.deletes}
@@ -226,7 +239,7 @@ class GroupCommit:
     async def _send_one(self, pending: Pending) -> None:
         self.metrics.etcd_txn_requests.labels("single").inc()
         result = await self.etcd.txn(pending.compares, pending.ops(self.layout, 0))
-        settle(pending.future, result=(result.succeeded, result.revision))
+        pending.committed(result.succeeded, result.revision)
 
     async def _send_group(self, group: list[Pending]) -> None:
         self.metrics.etcd_txn_requests.labels("group").inc()
@@ -240,7 +253,7 @@ class GroupCommit:
             # sent flat first (unless too wide), then nested after a failed compare
             self.metrics.etcd_txn_requests.labels("group-nested").inc()
         for pending, succeeded in zip(group, outcomes, strict=True):
-            settle(pending.future, result=(succeeded, revision))
+            pending.committed(succeeded, revision)
 
     async def aclose(self) -> None:
         await self._pump.aclose(

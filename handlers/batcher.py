@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from eventsource.commit import Change, Committer
@@ -63,6 +64,10 @@ class Intent:
     #: committed in a transaction of its own: it compares keys other workloads' intents may
     #: also compare (a disk), and one of those failing would fail every intent batched with it
     alone: bool = False
+    #: called with the revision once committed, even if the caller stopped waiting (its
+    #: client's deadline) after the intent went into a batch: the agent apply that follows
+    #: a placement must not be lost with the caller
+    on_commit: Callable[[int], None] | None = None
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -230,6 +235,12 @@ class PlacementBatcher:
                 self.batches += 1
                 self.intents_committed += len(accepted)
                 for intent in accepted:
+                    if intent.on_commit is not None:
+                        try:
+                            intent.on_commit(committed.revision)
+                        except Exception:
+                            log.exception("after-placement step failed workload_id=%s",
+                                          intent.workload_id)
                     settle(intent.future, result=committed.revision)
                 return
         except (StoreError, ValueError) as exc:

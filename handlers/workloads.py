@@ -330,6 +330,11 @@ class WorkloadCommands:
                   Put(self.layout.status(spec.id), status_bytes, category="status"),
                   *(p for p in placed.change.puts if p.category == "assignment"), *disk_puts],
             alone=bool(disk_compares),
+            # dispatched from the commit, not from this task: a caller cancelled at its
+            # deadline while the batch was in flight would take the apply with it
+            on_commit=lambda revision: self.dispatcher.apply(
+                spec, placed.status.metadata, placed.node_id, spec.desired_state,
+                after=revision),
             events=[Event(type="WorkloadScheduled", workload_id=spec.id,
                           node_id=placed.node_id, reason="Workload created",
                           details={"revision_id": spec.revision_id},
@@ -347,8 +352,6 @@ class WorkloadCommands:
             raise
         log.debug("workload placed workload_id=%s node_id=%s revision=%d reason=%r",
                   spec.id, placed.node_id, revision, placed.reason)
-        self.dispatcher.apply(spec, placed.status.metadata, placed.node_id, spec.desired_state,
-                              after=revision)
         return Outcome(True, node_id=placed.node_id, message=placed.reason)
 
     async def _catch_up(self, exc: Conflict) -> None:
@@ -456,15 +459,20 @@ class WorkloadCommands:
             return stored
         puts += [Put(self.layout.spec(spec.id), stored[0], category="spec"),
                  Put(self.layout.status(spec.id), stored[1], category="status")]
+
+        def dispatch(revision: int) -> None:
+            # run by the commit itself: a caller cancelled at its deadline while the
+            # transaction was in flight would otherwise take the apply with it
+            if status.node_id:
+                self.dispatcher.apply(spec, status.metadata, status.node_id,
+                                      spec.desired_state, after=revision)
+
         try:
-            committed = await self.committer.commit(Change(kind="workload", compares=compares,
-                                                           puts=puts, events=events))
+            await self.committer.commit(Change(kind="workload", compares=compares, puts=puts,
+                                               events=events), on_commit=dispatch)
         except Conflict as exc:
             await self._catch_up(exc)
             raise
-        if status.node_id:
-            self.dispatcher.apply(spec, status.metadata, status.node_id, spec.desired_state,
-                                  after=committed.revision)
         return Outcome(True, node_id=status.node_id, message="updated")
 
     def _resize(self, workload_id: str, node_id: str,

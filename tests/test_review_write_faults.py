@@ -1,0 +1,110 @@
+"""Fault-injection review of the write paths (etcd paused or restarted mid-transaction, lost
+commit answers, clients retrying after their deadline). Each test runs against a private etcd
+(tests/fixtures/servers.py: current etcd with real fsync) that it pauses or restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from proto.persys.control.v1 import control_pb2 as pb
+from tests.fixtures.harness import container_spec, leading_fleet, make_settings
+from tests.fixtures.waiting import wait_for
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(150)]
+
+
+async def _etcd_state(sched, root: str) -> tuple[dict, dict, dict]:
+    """(assignments by workload, allocations by node, status node by workload) read from etcd."""
+    etcd = sched.etcd
+    layout = sched.layout
+    out = []
+    for prefix in (layout.assignments_prefix, layout.allocations_prefix, layout.statuses_prefix):
+        kvs, _ = await etcd.list_prefix(prefix)
+        out.append({kv.key[len(prefix):]: json.loads(kv.value) for kv in kvs})
+    return out[0], out[1], out[2]
+
+
+async def test_applies_cut_by_an_etcd_pause_then_retried_place_each_workload_once(
+        etcd_private, redis_server, key_root, stream_key) -> None:
+    settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                             etcd_timeout_s=1.0)
+    async with leading_fleet(settings, 3) as (sched, fleet, stub):
+        ids = [f"w{i}" for i in range(12)]
+
+        async def apply(wid: str, timeout: float) -> object:
+            try:
+                return await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                    workload_id=wid, spec=container_spec(cpu_m=500, mem_mb=256)),
+                    timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+        # the first applies are in flight when etcd stops answering
+        first = [asyncio.create_task(apply(w, 0.5)) for w in ids]
+        await wait_for(lambda: sched.batcher._pump.inflight > 0, timeout=5, interval=0.001,
+                       message="no placement in flight")
+        await asyncio.to_thread(etcd_private.pause)
+        try:
+            answers = await asyncio.gather(*first)
+        finally:
+            await asyncio.to_thread(etcd_private.resume)
+        assert all(a == grpc.StatusCode.DEADLINE_EXCEEDED for a in answers), answers
+
+        # the client retries every apply after its deadline
+        async def settled() -> bool:
+            again = await asyncio.gather(*(apply(w, 10.0) for w in ids))
+            return all(getattr(a, "success", False) for a in again)
+        await wait_for(settled, timeout=40, interval=0.5, message="retries never succeeded")
+        assignments, allocations, _ = await _etcd_state(sched, key_root)
+        assert sorted(assignments) == sorted(ids)
+        held: dict[str, list[str]] = {}
+        for node_id, alloc in allocations.items():
+            for wid in alloc.get("workloads", {}):
+                held.setdefault(wid, []).append(node_id)
+        assert all(len(held.get(w, [])) == 1 for w in ids), held
+        for wid in ids:
+            assert held[wid] == [assignments[wid]["nodeId"]], (wid, held[wid], assignments[wid])
+        # every workload ends up running on exactly one agent
+        def running() -> bool:
+            where = {w: [n.node_id for n in fleet.nodes if n.workload_state(w) is not None]
+                     for w in ids}
+            return all(len(v) == 1 for v in where.values()) and where
+        # well within the reconcile loop's re-apply guard (45 s): dispatched after the commit
+        await wait_for(running, timeout=20, interval=0.5, message="not applied exactly once")
+
+
+async def test_an_apply_whose_caller_gave_up_mid_commit_is_still_sent_to_the_agent(
+        etcd_private, redis_server, key_root, stream_key) -> None:
+    """The client's deadline ends while its placement is being committed (etcd slow: paused
+    here), and the commit lands afterwards. ApplyWorkload's promise (ARCHITECTURE 5) is that
+    a committed placement is dispatched right after; the caller's cancellation must not take
+    the dispatch with it. A retry of the same apply answers success ("no change") and sends
+    nothing either, so without the fix the workload waits for the reconcile loop's re-apply
+    guard (45 s by default)."""
+    settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                             etcd_timeout_s=3.0, reapply_guard_s=45.0)
+    async with leading_fleet(settings, 1) as (sched, fleet, stub):
+        await asyncio.to_thread(etcd_private.pause)
+        try:
+            call = asyncio.ensure_future(stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="w-late", spec=container_spec()), timeout=0.5))
+            await wait_for(lambda: sched.batcher._pump.inflight > 0, timeout=5,
+                           interval=0.005, message="no placement in flight")
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            await asyncio.to_thread(etcd_private.resume)
+        # the placement was committed after all
+        await wait_for(lambda: sched.cluster.statuses.get("w-late") is not None, timeout=10,
+                       message="the placement never landed")
+        again = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-late", spec=container_spec()), timeout=10)
+        assert again.success, again
+        await wait_for(lambda: any(n.workload_state("w-late") is not None
+                                   for n in fleet.nodes),
+                       timeout=15, message="a committed placement was never sent to its agent")
