@@ -21,7 +21,7 @@ from typing import Any
 
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
-from eventsource.errors import Conflict, StoreError
+from eventsource.errors import Conflict, OutcomeUnknown, StoreError
 from eventsource.etcd import Compare, Delete, Put
 from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
@@ -347,12 +347,40 @@ class WorkloadCommands:
             self.placer.release(spec.id)
             await self._catch_up(exc)
             raise
+        except OutcomeUnknown:
+            self.placer.release(spec.id)
+            # etcd may have applied it (its answer was lost): read back before answering
+            revision = await self._landed(self.layout.status(spec.id), status_bytes)
+            if not revision:
+                raise
+            log.warning("placement outcome was unknown; read back as committed "
+                        "workload_id=%s node_id=%s revision=%d", spec.id, placed.node_id,
+                        revision)
+            assert intent.on_commit is not None
+            intent.on_commit(revision)
         except BaseException:
             self.placer.release(spec.id)
             raise
         log.debug("workload placed workload_id=%s node_id=%s revision=%d reason=%r",
                   spec.id, placed.node_id, revision, placed.reason)
         return Outcome(True, node_id=placed.node_id, message=placed.reason)
+
+    async def _landed(self, key: str, value: bytes) -> int:
+        """After an unknown outcome: the revision at which this very write created ``key``
+        with ``value`` (a new status record, unique to its attempt by its timestamps), or 0
+        when etcd shows it did not, or cannot tell now (unreachable, compacted)."""
+        etcd = self.committer.etcd
+        try:
+            kv = await etcd.get(key)
+            if kv is None:
+                return 0
+            if kv.version == 1:
+                return kv.create_revision if kv.value == value else 0
+            first = await etcd.get(key, revision=kv.create_revision)
+        except StoreError as exc:
+            log.info("unknown outcome not resolved key=%s: %s", key, exc)
+            return 0
+        return kv.create_revision if first is not None and first.value == value else 0
 
     async def _catch_up(self, exc: Conflict) -> None:
         if exc.revision:

@@ -108,3 +108,101 @@ async def test_an_apply_whose_caller_gave_up_mid_commit_is_still_sent_to_the_age
         await wait_for(lambda: any(n.workload_state("w-late") is not None
                                    for n in fleet.nodes),
                        timeout=15, message="a committed placement was never sent to its agent")
+
+
+class AnswerDropper:
+    """A TCP proxy in front of etcd's gateway that swallows the answer to the first request
+    whose bytes hold ``marker`` (armed by ``arm``): the request reaches etcd and is applied,
+    and the client never learns it (OutcomeUnknown)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.host, port = upstream.rsplit(":", 1)
+        self.port = int(port)
+        self.marker: bytes | None = None
+        self.dropped = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def endpoint(self) -> str:
+        assert self._server is not None
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def arm(self, marker: bytes) -> None:
+        self.marker = marker
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter
+                     ) -> None:
+        ureader, uwriter = await asyncio.open_connection(self.host, self.port)
+        sent = bytearray()  # the client's bytes since the last answer
+        swallowing = False
+
+        async def up() -> None:
+            while data := await creader.read(65536):
+                sent.extend(data)
+                uwriter.write(data)
+                await uwriter.drain()
+            uwriter.close()
+
+        async def down() -> None:
+            nonlocal swallowing
+            while data := await ureader.read(65536):
+                if not swallowing and self.marker is not None and self.marker in sent:
+                    swallowing = True
+                    self.marker = None
+                    self.dropped += 1
+                sent.clear()
+                if swallowing:
+                    continue
+                cwriter.write(data)
+                await cwriter.drain()
+            cwriter.close()
+
+        tasks = [asyncio.create_task(up()), asyncio.create_task(down())]
+        self._tasks.update(tasks)
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._tasks.difference_update(tasks)
+            cwriter.close()
+            uwriter.close()
+
+
+async def test_a_placement_whose_commit_answer_is_lost_is_resolved_not_guessed(
+        etcd_private, redis_server, key_root, stream_key) -> None:
+    """etcd applies the placement and its answer is lost (OutcomeUnknown). ApplyWorkload then
+    answers success=false "state not stored: ..." for a workload that is stored and placed,
+    and the agent apply that follows a placement is skipped (the workload waits for the
+    re-apply guard, 45 s). The claim under test: an ambiguous outcome is resolved (read back)
+    rather than guessed."""
+    from eventsource.etcd import b64
+
+    proxy = AnswerDropper(etcd_private.endpoint)
+    await proxy.start()
+    try:
+        settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                                 etcd_endpoints=(proxy.endpoint,), etcd_timeout_s=1.0,
+                                 reapply_guard_s=45.0)
+        async with leading_fleet(settings, 1) as (sched, fleet, stub):
+            proxy.arm(b64(sched.layout.spec("w-lost")).encode())
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="w-lost", spec=container_spec()), timeout=20)
+            assert proxy.dropped == 1
+            stored = await sched.etcd.get(sched.layout.spec("w-lost"))
+            assert stored is not None  # etcd applied it
+            assert resp.success, (resp.failure_reason, resp.error_message)
+            await wait_for(lambda: any(n.workload_state("w-lost") is not None
+                                       for n in fleet.nodes),
+                           timeout=15, message="the stored placement never reached its agent")
+    finally:
+        await proxy.stop()
