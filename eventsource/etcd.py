@@ -378,7 +378,8 @@ class AsyncEtcd:
                 if write and not isinstance(exc.__context__, RequestNotSent):
                     # sent, and maybe applied (a timeout, or the gateway's 503 for "request
                     # timed out" / "leader changed"): another endpoint could apply it twice
-                    raise OutcomeUnknown(f"etcd {path}: outcome unknown: {exc}") from exc
+                    raise OutcomeUnknown(f"etcd {path}: outcome unknown: {describe_failure(exc)}"
+                                         ) from exc
                 raise _TryElsewhere(exc) from exc
             except etcd_exc.Etcd3Exception as exc:
                 detail = str(getattr(exc, "detail_text", "") or exc)
@@ -389,7 +390,8 @@ class AsyncEtcd:
                 raise Unavailable(f"etcd {path}: {detail}") from exc
             except requests.RequestException as exc:
                 if write and not isinstance(exc, RequestNotSent):
-                    raise OutcomeUnknown(f"etcd {path}: outcome unknown: {exc}") from exc
+                    raise OutcomeUnknown(f"etcd {path}: outcome unknown: {describe_failure(exc)}"
+                                         ) from exc
                 raise _TryElsewhere(exc) from exc
 
         return self._on_endpoints(path, call, deadline)

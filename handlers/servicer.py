@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from eventsource.errors import Conflict, StoreError
+from eventsource.errors import Conflict, OutcomeUnknown, StoreError
 from eventsource.metrics import Metrics
 from handlers.access import caller_of
 from handlers.authz import Caller
@@ -52,6 +52,15 @@ class EventQueries(Protocol):
     def watch_events(self, req: control_pb2.WatchEventsRequest,
                      context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[control_pb2.SchedulerEventView]: ...
+
+
+def not_stored(exc: Exception) -> str:
+    """The message of a command whose write failed: an unknown outcome is not "not stored"
+    (etcd may have applied it and lost only its answer)."""
+    if isinstance(exc, OutcomeUnknown):
+        return (f"outcome unknown, the change may have been stored: {exc}; send the same "
+                "request again to learn")
+    return f"state not stored: {exc}"
 
 
 class ControlServicer(control_pb2_grpc.AgentControlServicer):
@@ -146,7 +155,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         try:
             outcome = await self.workloads.apply(parsed)
         except StoreError as exc:
-            outcome = Outcome(False, "RUNTIME_ERROR", f"state not stored: {exc}")
+            outcome = Outcome(False, "RUNTIME_ERROR", not_stored(exc))
         return self._apply_response(outcome)
 
     async def DeleteWorkload(self, request: control_pb2.DeleteWorkloadRequest,
@@ -158,7 +167,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         except InvalidSpec as exc:
             outcome = Outcome(False, "INVALID_SPEC", str(exc))
         except (StoreError, Conflict) as exc:
-            outcome = Outcome(False, "RUNTIME_ERROR", f"state not stored: {exc}")
+            outcome = Outcome(False, "RUNTIME_ERROR", not_stored(exc))
         return control_pb2.DeleteWorkloadResponse(success=outcome.ok,
                                                   error_message=outcome.message if not outcome.ok
                                                   else "")

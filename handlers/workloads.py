@@ -501,6 +501,17 @@ class WorkloadCommands:
         except Conflict as exc:
             await self._catch_up(exc)
             raise
+        except OutcomeUnknown:
+            # etcd may have applied it (its answer was lost): read back before answering
+            try:
+                kv = await self.committer.etcd.get(self.layout.spec(spec.id))
+            except StoreError:
+                kv = None
+            if kv is None or kv.value != stored[0] or kv.mod_revision <= spec_item.mod_revision:
+                raise
+            log.warning("update outcome was unknown; read back as committed workload_id=%s "
+                        "revision=%d", spec.id, kv.mod_revision)
+            dispatch(kv.mod_revision)
         return Outcome(True, node_id=status.node_id, message="updated")
 
     def _resize(self, workload_id: str, node_id: str,

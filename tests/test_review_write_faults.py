@@ -206,3 +206,38 @@ async def test_a_placement_whose_commit_answer_is_lost_is_resolved_not_guessed(
                            timeout=15, message="the stored placement never reached its agent")
     finally:
         await proxy.stop()
+
+
+async def test_an_update_whose_commit_answer_is_lost_is_resolved_not_guessed(
+        etcd_private, redis_server, key_root, stream_key) -> None:
+    """As for a placement: a new spec that etcd stored without its answer reaching the
+    scheduler is read back, answered success and sent to the agent; before, the client read
+    "state not stored" (with an empty cause) and the agent kept the old spec until the
+    re-apply guard."""
+    from eventsource.etcd import b64
+
+    proxy = AnswerDropper(etcd_private.endpoint)
+    await proxy.start()
+    try:
+        settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                                 etcd_endpoints=(proxy.endpoint,), etcd_timeout_s=1.0,
+                                 reapply_guard_s=45.0)
+        async with leading_fleet(settings, 1) as (sched, fleet, stub):
+            first = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="w-up", spec=container_spec(image="nginx:1")), timeout=20)
+            assert first.success, first
+            node = fleet.nodes[0]
+            await wait_for(lambda: node.workload_state("w-up") == "Running", timeout=15)
+            old_revision = node.workload_revision("w-up")
+            proxy.arm(b64(sched.layout.spec("w-up")).encode())
+            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="w-up", spec=container_spec(image="nginx:2")), timeout=20)
+            assert proxy.dropped == 1
+            stored = await sched.etcd.get(sched.layout.spec("w-up"))
+            assert stored is not None
+            assert b"nginx:2" in stored.value  # etcd applied it
+            assert resp.success, (resp.failure_reason, resp.error_message)
+            await wait_for(lambda: node.workload_revision("w-up") not in (None, old_revision),
+                           timeout=15, message="the stored update never reached its agent")
+    finally:
+        await proxy.stop()
