@@ -92,6 +92,10 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in a task this dispatcher owns (cancelled and awaited at close)."""
+        self._spawn(coro)
+
     async def etcd_revision(self) -> int:
         return await self.committer.etcd.current_revision()
 

@@ -13,9 +13,11 @@ state that includes the winning write.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,15 @@ from handlers.statusmeta import METADATA_MAX_KEYS
 from projections.cluster import ClusterProjection
 
 log = logging.getLogger("persys.workloads")
+
+#: how often, and how many times, a write whose outcome is unknown is read back while etcd
+#: does not answer (then the reconcile loop's re-apply guard takes over)
+RESOLVE_INTERVAL_S = 1.0
+RESOLVE_ATTEMPTS = 60
+#: a write not found once etcd answers is read once more after this: longer than etcd's own
+#: request timeout (5 s + 2 election timeouts by default), within which a request still
+#: inside etcd is applied or dropped
+RESOLVE_SETTLE_S = 10.0
 
 def mark_apply_requested(status: WorkloadStatus, spec: WorkloadSpec, now: str) -> None:
     """Record, in the transaction that commits a placement or change, the apply that follows.
@@ -350,14 +361,12 @@ class WorkloadCommands:
         except OutcomeUnknown:
             self.placer.release(spec.id)
             # etcd may have applied it (its answer was lost): read back before answering
-            revision = await self._landed(self.layout.status(spec.id), status_bytes)
+            status_key = self.layout.status(spec.id)
+            assert intent.on_commit is not None
+            revision = await self._resolve(lambda: self._created(status_key, status_bytes),
+                                           intent.on_commit, what=f"placement of {spec.id}")
             if not revision:
                 raise
-            log.warning("placement outcome was unknown; read back as committed "
-                        "workload_id=%s node_id=%s revision=%d", spec.id, placed.node_id,
-                        revision)
-            assert intent.on_commit is not None
-            intent.on_commit(revision)
         except BaseException:
             self.placer.release(spec.id)
             raise
@@ -365,22 +374,63 @@ class WorkloadCommands:
                   spec.id, placed.node_id, revision, placed.reason)
         return Outcome(True, node_id=placed.node_id, message=placed.reason)
 
-    async def _landed(self, key: str, value: bytes) -> int:
-        """After an unknown outcome: the revision at which this very write created ``key``
-        with ``value`` (a new status record, unique to its attempt by its timestamps), or 0
-        when etcd shows it did not, or cannot tell now (unreachable, compacted)."""
+    async def _created(self, key: str, value: bytes) -> int:
+        """The revision at which ``key`` was created holding ``value`` (a new status record,
+        unique to its attempt by its timestamps), or 0; raises ``StoreError`` while etcd
+        cannot tell."""
         etcd = self.committer.etcd
-        try:
-            kv = await etcd.get(key)
-            if kv is None:
-                return 0
-            if kv.version == 1:
-                return kv.create_revision if kv.value == value else 0
-            first = await etcd.get(key, revision=kv.create_revision)
-        except StoreError as exc:
-            log.info("unknown outcome not resolved key=%s: %s", key, exc)
+        kv = await etcd.get(key)
+        if kv is None:
             return 0
+        first = kv if kv.version == 1 else await etcd.get(key, revision=kv.create_revision)
         return kv.create_revision if first is not None and first.value == value else 0
+
+    async def _holds(self, key: str, value: bytes, *, after: int) -> int:
+        """The revision at which ``key`` was written holding ``value`` after ``after``, or
+        0; raises ``StoreError`` while etcd cannot tell."""
+        kv = await self.committer.etcd.get(key)
+        return kv.mod_revision if kv is not None and kv.value == value and (
+            kv.mod_revision > after) else 0
+
+    async def _resolve(self, landed: Callable[[], Awaitable[int]],
+                       then: Callable[[int], None], *, what: str) -> int:
+        """After an unknown outcome: the commit revision when ``landed`` reads the write back
+        (``then`` has run), else 0. A miss is not final: the request may still be inside
+        etcd and be applied after the read (seen with etcd stopped and resumed), so the
+        write is read again in a task the dispatcher owns, which runs ``then`` if it shows
+        up; a committed change whose answer was lost is not left for the reconcile loop's
+        re-apply guard."""
+        try:
+            revision = await landed()
+        except StoreError as exc:
+            log.info("outcome of the %s unknown; asking etcd again later: %s", what, exc)
+            revision = 0
+        if revision:
+            log.warning("outcome of the %s was unknown; read back as committed at %d", what,
+                        revision)
+            then(revision)
+        else:
+            self.dispatcher.spawn(self._resolve_later(landed, then, what=what))
+        return revision
+
+    async def _resolve_later(self, landed: Callable[[], Awaitable[int]],
+                             then: Callable[[int], None], *, what: str) -> None:
+        answered = 0
+        for _ in range(RESOLVE_ATTEMPTS):
+            await asyncio.sleep(RESOLVE_INTERVAL_S if not answered else RESOLVE_SETTLE_S)
+            try:
+                revision = await landed()
+            except StoreError:
+                continue
+            if revision:
+                log.warning("outcome of the %s was unknown; read back as committed at %d",
+                            what, revision)
+                then(revision)
+                return
+            answered += 1
+            if answered > 1:
+                return  # absent once etcd answered, and still after etcd's request timeout
+        log.warning("outcome of the %s still unknown; the reconcile loop settles it", what)
 
     async def _catch_up(self, exc: Conflict) -> None:
         if exc.revision:
@@ -503,15 +553,11 @@ class WorkloadCommands:
             raise
         except OutcomeUnknown:
             # etcd may have applied it (its answer was lost): read back before answering
-            try:
-                kv = await self.committer.etcd.get(self.layout.spec(spec.id))
-            except StoreError:
-                kv = None
-            if kv is None or kv.value != stored[0] or kv.mod_revision <= spec_item.mod_revision:
+            spec_key, spec_bytes, before = (self.layout.spec(spec.id), stored[0],
+                                            spec_item.mod_revision)
+            if not await self._resolve(lambda: self._holds(spec_key, spec_bytes, after=before),
+                                       dispatch, what=f"update of {spec.id}"):
                 raise
-            log.warning("update outcome was unknown; read back as committed workload_id=%s "
-                        "revision=%d", spec.id, kv.mod_revision)
-            dispatch(kv.mod_revision)
         return Outcome(True, node_id=status.node_id, message="updated")
 
     def _resize(self, workload_id: str, node_id: str,
