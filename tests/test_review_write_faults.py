@@ -329,3 +329,69 @@ async def test_an_etcd_outage_under_applies_and_deletes_leaves_consistent_state(
                        and sched.batcher._pump.inflight == 0
                        and sched.committer._group._pump.inflight == 0,
                        timeout=30, message="work stuck after the outage")
+
+
+async def test_an_agent_that_hangs_mid_apply_costs_a_timeout_and_nothing_else(
+        etcd_private, redis_server, key_root, stream_key) -> None:
+    """The agent stops answering (every RPC waits far past its deadline). ApplyWorkload still
+    answers at once (commit first), the dispatch ends at its deadline and is recorded, no
+    task of the dispatcher stays behind, and once the agent answers again the workload is
+    applied exactly once, on its node."""
+    from dataclasses import replace
+
+    from ops.sim import NodeBehaviour
+
+    settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                             agent_apply_timeout_s=1.0, agent_rpc_timeout_s=1.0,
+                             reapply_guard_s=2.0, reconcile_interval_s=1.0)
+    async with leading_fleet(settings, 2) as (sched, fleet, stub):
+        for node in fleet.nodes:
+            node.behaviour = replace(NodeBehaviour(apply_latency_s=0.05), slow_answer_s=3600.0)
+        resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-hang", spec=container_spec(cpu_m=500)), timeout=5)
+        assert resp.success, resp
+        hung = fleet.node(sched.cluster.statuses.get("w-hang").value.node_id)
+        other = next(n for n in fleet.nodes if n is not hung)
+        await wait_for(lambda: sched.cluster.statuses.get("w-hang").value.metadata.get(
+            "last_action") == "ApplyFailed", timeout=10, message="the timeout was not recorded")
+        for node in fleet.nodes:
+            node.behaviour = NodeBehaviour(apply_latency_s=0.05)
+        await wait_for(lambda: hung.workload_state("w-hang") == "Running", timeout=30,
+                       message="never applied after the agent recovered")
+        assert other.workload_state("w-hang") is None
+        await wait_for(lambda: not sched.dispatcher._tasks, timeout=10,
+                       message="dispatcher tasks left behind")
+
+
+async def test_a_hung_redis_stalls_no_write_path(etcd_private, redis_private, key_root,
+                                                 stream_key) -> None:
+    """Redis stopped (SIGSTOP): registrations, heartbeats, applies, retries and deletes answer
+    within their usual time; the events reach the stream once Redis answers again."""
+    from tests.fixtures.harness import control_stub, running_fleet, running_scheduler
+
+    settings = make_settings(etcd_private, redis_private, key_root, stream_key)
+    async with running_scheduler(settings) as sched:
+        await wait_for(lambda: sched.leader.is_leader, timeout=15, message="no leader")
+        await asyncio.to_thread(redis_private.pause)
+        try:
+            address = f"127.0.0.1:{sched.grpc_port}"
+            async with running_fleet(address, 2) as fleet, control_stub(address) as stub:
+                await asyncio.wait_for(fleet.wait_registered(), 10)
+                for i in range(3):
+                    r = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                        workload_id=f"r{i}", spec=container_spec()), timeout=3)
+                    assert r.success, r
+                await wait_for(lambda: sum(n.held for n in fleet.nodes) == 3, timeout=15)
+                assert (await stub.RetryWorkload(pb.RetryWorkloadRequest(workload_id="r0"),
+                                                 timeout=3)).accepted
+                assert (await stub.DeleteWorkload(pb.DeleteWorkloadRequest(workload_id="r1"),
+                                                  timeout=3)).success
+                await wait_for(lambda: sched.cluster.specs.get("r1") is None, timeout=15)
+        finally:
+            await asyncio.to_thread(redis_private.resume)
+        # the outbox drains into the stream once Redis answers
+        prefix = sched.layout.outbox_prefix
+        async def drained() -> bool:
+            kvs, _ = await sched.etcd.list_prefix(prefix)
+            return not kvs
+        await wait_for(drained, timeout=30, interval=0.2, message="outbox never drained")
