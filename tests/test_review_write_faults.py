@@ -395,3 +395,41 @@ async def test_a_hung_redis_stalls_no_write_path(etcd_private, redis_private, ke
             kvs, _ = await sched.etcd.list_prefix(prefix)
             return not kvs
         await wait_for(drained, timeout=30, interval=0.2, message="outbox never drained")
+
+
+@pytest.mark.xfail(strict=True, reason="the dispatcher's one semaphore (64 slots) is shared by "
+                   "every node: applies waiting on a hung agent hold all of them until their "
+                   "deadline, and applies to healthy nodes wait behind them")
+async def test_a_hung_agent_does_not_hold_up_applies_to_healthy_nodes(
+        etcd_private, redis_server, key_root, stream_key) -> None:
+    from dataclasses import replace
+
+    from ops.sim import NodeBehaviour
+
+    settings = make_settings(etcd_private, redis_server, key_root, stream_key,
+                             agent_apply_timeout_s=20.0)
+    async with leading_fleet(settings, 2) as (sched, fleet, stub):
+        hung, healthy = fleet.nodes
+        hung.behaviour = replace(NodeBehaviour(apply_latency_s=0.05), slow_answer_s=3600.0)
+
+        async def apply(wid: str) -> str:
+            r = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id=wid, spec=container_spec(cpu_m=10, mem_mb=16)), timeout=10)
+            assert r.success, r
+            item = await wait_for(lambda: sched.cluster.statuses.get(wid), timeout=5)
+            return str(item.value.node_id)
+
+        i = 0
+        on_hung = 0
+        while on_hung < 70:  # more applies stuck on the hung agent than the dispatcher's slots
+            if await apply(f"h{i}") == hung.node_id:
+                on_hung += 1
+            i += 1
+        # the next placement on the healthy node is applied as quickly as ever
+        while True:
+            wid = f"h{i}"
+            i += 1
+            if await apply(wid) == healthy.node_id:
+                break
+        await wait_for(lambda: healthy.workload_state(wid) is not None, timeout=5,
+                       message="an apply to a healthy node waited behind a hung agent")
