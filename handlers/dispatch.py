@@ -9,7 +9,10 @@ committed state says what should run, and the leader's reconcile loop drives it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -45,6 +48,10 @@ log = logging.getLogger("persys.dispatch")
 
 #: how long a queued apply waits for this replica's projection to show the commit behind it
 PROJECTION_WAIT_S = 10.0
+#: agent calls to one node at once: the shared slots are held across each call, and calls
+#: stuck on one hung agent (until their deadline: 45 s, 240 s for a VM) would otherwise take
+#: every slot and hold up the calls to healthy nodes
+PER_NODE_CALLS = 16
 
 
 def refused(answer: Any) -> bool:
@@ -57,6 +64,12 @@ def refused(answer: Any) -> bool:
     next listing (the reconcile loop).
     """
     return not answer.success
+
+
+@dataclass
+class _NodeGate:
+    sem: asyncio.Semaphore
+    users: int = 0
 
 
 class Dispatcher:
@@ -85,12 +98,30 @@ class Dispatcher:
         #: a VM's first apply creates and boots it: the reconcile loop's VM deadline
         self.vm_apply_timeout = vm_apply_timeout
         self._sem = asyncio.Semaphore(concurrency)
+        self._per_node = min(PER_NODE_CALLS, concurrency)
+        #: node id -> its gate, while calls to it wait or run (removed when none does)
+        self._node_gates: dict[str, _NodeGate] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, node_id: str) -> AsyncIterator[None]:
+        """One of the node's slots (``PER_NODE_CALLS``), then one of the shared ones."""
+        gate = self._node_gates.get(node_id)
+        if gate is None:
+            gate = self._node_gates[node_id] = _NodeGate(asyncio.Semaphore(self._per_node))
+        gate.users += 1
+        try:
+            async with gate.sem, self._sem:
+                yield
+        finally:
+            gate.users -= 1
+            if gate.users == 0:
+                del self._node_gates[node_id]
 
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` in a task this dispatcher owns (cancelled and awaited at close)."""
@@ -151,7 +182,7 @@ class Dispatcher:
                      desired: str, after: int = 0, leader_only: bool = False) -> None:
         # the wait holds no slot; the check runs in the slot, right before the call
         why_not = await self._shows_commit(after)
-        async with self._sem:
+        async with self._slot(node_id):
             if why_not is None:
                 why_not = self._superseded(spec, node_id, desired)
             if why_not is not None:
@@ -248,7 +279,7 @@ class Dispatcher:
         self._spawn(self._delete(workload_id, node_id, after))
 
     async def _delete(self, workload_id: str, node_id: str, after: int = 0) -> None:
-        async with self._sem:
+        async with self._slot(node_id):
             endpoint = self.endpoint(node_id) if node_id else None
             if endpoint is not None:
                 try:
@@ -310,7 +341,7 @@ class Dispatcher:
         self._spawn(self._forget_on(workload_id, node_id, leader_only))
 
     async def _forget_on(self, workload_id: str, node_id: str, leader_only: bool) -> None:
-        async with self._sem:
+        async with self._slot(node_id):
             endpoint = self.endpoint(node_id)
             if endpoint is None:
                 return

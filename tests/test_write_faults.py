@@ -397,9 +397,6 @@ async def test_a_hung_redis_stalls_no_write_path(etcd_private, redis_private, ke
         await wait_for(drained, timeout=30, interval=0.2, message="outbox never drained")
 
 
-@pytest.mark.xfail(strict=True, reason="the dispatcher's one semaphore (64 slots) is shared by "
-                   "every node: applies waiting on a hung agent hold all of them until their "
-                   "deadline, and applies to healthy nodes wait behind them")
 async def test_a_hung_agent_does_not_hold_up_applies_to_healthy_nodes(
         etcd_private, redis_server, key_root, stream_key) -> None:
     from dataclasses import replace
