@@ -1187,14 +1187,12 @@ class NodeMonitor(_Shell):
 
     def checks(self) -> list[NodeCheck]:
         alive = self.cluster.alive
-        by_node = self.cluster.workloads.by_node
         out: list[NodeCheck] = []
         for node_id, item in self.cluster.nodes.items.items():
             if not self.leader.owns(node_id):
                 continue
             gone = alive.get(node_id) is None and alive.revision >= item.mod_revision
-            out.append(NodeCheck(node_id, item.value.status, gone, item.value.status_updated_at,
-                                 holding=bool(by_node.get(node_id))))
+            out.append(NodeCheck(node_id, item.value.status, gone, item.value.status_updated_at))
         return out
 
     async def run_once(self, *, now: datetime | None = None) -> MonitorReport:
@@ -1243,13 +1241,10 @@ class NodeMonitor(_Shell):
         await run_bounded(sorted(self.cluster.workload_ids_on(node_id)), self.concurrency, move)
 
     async def _collect(self, node_id: str, now: datetime) -> bool:
-        """Remove a long-NotReady node that holds no workload: its records, its empty
-        allocation, its DNS record."""
+        """Remove a long-NotReady node: its records, its empty allocation, its DNS record."""
         item = self.cluster.nodes.get(node_id)
         if item is None or item.value.status != NOT_READY or self.cluster.alive.get(node_id):
             return False
-        if self.cluster.workload_ids_on(node_id):
-            return False  # moved or deleted first: a node-local one waits for this node
         # the record lives under the shard key of the replica the node registered through
         shards = {item.value.labels.get("scheduler_shard") or self.settings.shard_key,
                   self.settings.shard_key}

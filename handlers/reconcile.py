@@ -812,8 +812,6 @@ class NodeCheck:
     #: the liveness key is absent *and* the alive projection has caught up with the node record
     lease_gone: bool
     status_updated_at: str = ""
-    #: workloads are still assigned to it (a node-local one waits for its node): never removed
-    holding: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -825,16 +823,14 @@ class MonitorPlan:
 def plan_node_monitor(checks: Iterable[NodeCheck], *, now: datetime,
                       gc_after_s: float) -> MonitorPlan:
     """Ready nodes whose liveness lease expired become NotReady; NotReady nodes older than
-    ``gc_after_s`` (measured from ``statusUpdatedAt``; 0 disables) that no workload is assigned
-    to any more are removed (a removed node's node-local workloads would wait for it forever)."""
+    ``gc_after_s`` (measured from ``statusUpdatedAt``; 0 disables) are removed."""
     lost: list[str] = []
     collect: list[str] = []
     for check in checks:
         status = check.status.lower()
         if status in MONITORED_NODE_STATUSES and check.lease_gone:
             lost.append(check.node_id)
-        elif status == "notready" and gc_after_s > 0 and check.lease_gone \
-                and not check.holding:
+        elif status == "notready" and gc_after_s > 0 and check.lease_gone:
             since = parse_rfc3339(check.status_updated_at)
             if since is not None and now - since >= timedelta(seconds=gc_after_s):
                 collect.append(check.node_id)

@@ -11,7 +11,7 @@ import grpc
 from handlers.reconcile import COUNT_FAILURE, REAPPLY
 from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
-from tests.fixtures.harness import container_spec, make_settings
+from tests.fixtures.harness import make_settings
 from tests.fixtures.waiting import wait_for
 from tests.test_reconcile import QUIET, last_apply, stack
 
@@ -149,50 +149,6 @@ async def test_a_stale_failed_listing_is_not_charged_to_the_reapply_in_flight(
         assert sent == 1, seen
         assert st.status != "Failed"
         assert not await s.events("WorkloadFailed", workload_id="slow")
-
-
-async def test_a_lost_node_that_still_holds_workloads_is_not_removed(
-        etcd_server, redis_server, key_root, stream_key):
-    """Node GC (``SCHEDULER_NODE_GC_AFTER``, ``NodeLeft``) must not remove a node that workloads
-    are still assigned to. A node-local workload waits for its node (``AwaitNodeReturn``):
-    removing the node left it assigned, forever, to a node that no longer exists, its status
-    still "Running", with no event saying anything happened to it."""
-    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
-                             node_gc_after_s=600.0, **QUIET)
-    async with stack(settings, 2) as s:
-        local = container_spec()
-        local.metadata["persys.storage.local"] = "true"
-        await s.apply(["pinned"], spec_of=lambda: local)
-        await s.running(["pinned"])
-        victim = s.holder("pinned")
-        await victim.crash()
-        await wait_for(lambda: s.sched.cluster.nodes.get(victim.node_id).value.status  # type: ignore[union-attr]
-                       == "NotReady", timeout=20)
-        monitor = s.loops.monitor
-
-        async def monitor_at(seconds: float) -> Any:
-            report = await monitor.run_once(now=s.sched.clock.now() + timedelta(seconds=seconds))
-            return None if report.skipped == "overlap" else report
-
-        late = await wait_for(lambda: monitor_at(700), timeout=10)
-        await s.caught_up()
-        assert s.status("pinned").node_id == victim.node_id  # it waits for its node
-        assert late.collected == [], "removed a node that a workload is still assigned to"
-        assert s.sched.cluster.nodes.get(victim.node_id) is not None
-        assert not await s.events("NodeLeft", node_id=victim.node_id)
-
-        # once nothing is assigned to it (the workload deleted: its node is gone), it goes
-        assert (await s.stub.DeleteWorkload(pb.DeleteWorkloadRequest(
-            workload_id="pinned"))).success
-
-        async def finalised() -> bool:
-            await s.loops.reconcile.run_once()
-            await s.caught_up()
-            return s.sched.cluster.specs.get("pinned") is None
-
-        await wait_for(finalised, timeout=20, message="finalised on its dead node")
-        later = await wait_for(lambda: monitor_at(700), timeout=10)
-        assert later.collected == [victim.node_id]
 
 
 async def test_drift_never_deletes_a_workload_created_while_the_agents_were_listed(
