@@ -350,7 +350,9 @@ async def test_an_agent_that_hangs_mid_apply_costs_a_timeout_and_nothing_else(
         resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
             workload_id="w-hang", spec=container_spec(cpu_m=500)), timeout=5)
         assert resp.success, resp
-        hung = fleet.node(sched.cluster.statuses.get("w-hang").value.node_id)
+        # the answer follows the commit; this replica's projection may show it a moment later
+        placed = await wait_for(lambda: sched.cluster.statuses.get("w-hang"), timeout=5)
+        hung = fleet.node(placed.value.node_id)
         other = next(n for n in fleet.nodes if n is not hung)
         await wait_for(lambda: sched.cluster.statuses.get("w-hang").value.metadata.get(
             "last_action") == "ApplyFailed", timeout=10, message="the timeout was not recorded")
