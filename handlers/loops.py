@@ -707,7 +707,7 @@ class ReconcileLoop(_Shell):
             mark_apply_requested(placed.status, spec, rfc3339(now))
             change = placed.change
             change.kind = "reconcile"
-            disk_compares, disk_puts = self.relocator._move_disks(
+            disk_compares, disk_puts = self.relocator.move_disks(
                 disks, workload_id, from_node=str(status.metadata.get("previous_node") or ""),
                 to_node=placed.node_id)
             change.compares.extend(disk_compares)

@@ -524,7 +524,7 @@ class WorkloadCommands:
                 return placed
             compares += placed.change.compares
             puts += placed.change.puts
-            disk_compares, disk_puts = relocator._move_disks(
+            disk_compares, disk_puts = relocator.move_disks(
                 disks, spec.id, from_node=str(status.metadata.get("previous_node") or ""),
                 to_node=placed.node_id)
             compares += disk_compares
@@ -809,7 +809,7 @@ class Relocator:
             change.puts.append(Put(c.layout.status(workload_id), encode(new_status),
                                    category="status"))
             release_allocation(change, c.cluster, c.layout, from_node, workload_id)
-            disk_compares, disk_puts = self._move_disks(
+            disk_compares, disk_puts = self.move_disks(
                 disks, workload_id, from_node=from_node, to_node=placed.node_id)
             change.compares.extend(disk_compares)
             change.puts.extend(disk_puts)
@@ -862,7 +862,7 @@ class Relocator:
             return disks, None
         return disks, next(iter(pins), "")
 
-    def _move_disks(self, disks: dict[str, Found], workload_id: str, *, from_node: str,
+    def move_disks(self, disks: dict[str, Found], workload_id: str, *, from_node: str,
                     to_node: str) -> tuple[list[Compare], list[Put]]:
         """The writes that move the workload's disks to ``to_node`` (compared, so a disk
         changed since it was read makes the move retry)."""
