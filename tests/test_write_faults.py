@@ -5,11 +5,15 @@ commit answers, clients retrying after their deadline). Each test runs against a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
 
+from eventsource.etcd import b64
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import container_spec, leading_fleet, make_settings
 from tests.fixtures.waiting import wait_for
@@ -178,15 +182,12 @@ class AnswerDropper:
             uwriter.close()
 
 
-async def test_a_placement_whose_commit_answer_is_lost_is_resolved_not_guessed(
-        etcd_private, redis_server, key_root, stream_key) -> None:
-    """etcd applies the placement and its answer is lost (OutcomeUnknown). ApplyWorkload then
-    answers success=false "state not stored: ..." for a workload that is stored and placed,
-    and the agent apply that follows a placement is skipped (the workload waits for the
-    re-apply guard, 45 s). The claim under test: an ambiguous outcome is resolved (read back)
-    rather than guessed."""
-    from eventsource.etcd import b64
-
+@contextlib.asynccontextmanager
+async def answer_dropping_fleet(etcd_private: Any, redis_server: Any, key_root: str,
+                                stream_key: str) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """A leading scheduler with one agent whose etcd traffic passes an ``AnswerDropper``
+    (armed by the test), with a short etcd timeout and the re-apply guard at 45 s, so a
+    change that reaches its agent sooner was sent on purpose."""
     proxy = AnswerDropper(etcd_private.endpoint)
     await proxy.start()
     try:
@@ -194,18 +195,30 @@ async def test_a_placement_whose_commit_answer_is_lost_is_resolved_not_guessed(
                                  etcd_endpoints=(proxy.endpoint,), etcd_timeout_s=1.0,
                                  reapply_guard_s=45.0)
         async with leading_fleet(settings, 1) as (sched, fleet, stub):
-            proxy.arm(b64(sched.layout.spec("w-lost")).encode())
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w-lost", spec=container_spec()), timeout=20)
-            assert proxy.dropped == 1
-            stored = await sched.etcd.get(sched.layout.spec("w-lost"))
-            assert stored is not None  # etcd applied it
-            assert resp.success, (resp.failure_reason, resp.error_message)
-            await wait_for(lambda: any(n.workload_state("w-lost") is not None
-                                       for n in fleet.nodes),
-                           timeout=15, message="the stored placement never reached its agent")
+            yield proxy, sched, fleet, stub
     finally:
         await proxy.stop()
+
+
+async def test_a_placement_whose_commit_answer_is_lost_is_resolved_not_guessed(
+        etcd_private, redis_server, key_root, stream_key) -> None:
+    """etcd applies the placement and its answer is lost (OutcomeUnknown). ApplyWorkload then
+    answers success=false "state not stored: ..." for a workload that is stored and placed,
+    and the agent apply that follows a placement is skipped (the workload waits for the
+    re-apply guard, 45 s). The claim under test: an ambiguous outcome is resolved (read back)
+    rather than guessed."""
+    async with answer_dropping_fleet(etcd_private, redis_server, key_root, stream_key) as (
+            proxy, sched, fleet, stub):
+        proxy.arm(b64(sched.layout.spec("w-lost")).encode())
+        resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-lost", spec=container_spec()), timeout=20)
+        assert proxy.dropped == 1
+        stored = await sched.etcd.get(sched.layout.spec("w-lost"))
+        assert stored is not None  # etcd applied it
+        assert resp.success, (resp.failure_reason, resp.error_message)
+        await wait_for(lambda: any(n.workload_state("w-lost") is not None
+                                   for n in fleet.nodes),
+                       timeout=15, message="the stored placement never reached its agent")
 
 
 async def test_an_update_whose_commit_answer_is_lost_is_resolved_not_guessed(
@@ -214,33 +227,24 @@ async def test_an_update_whose_commit_answer_is_lost_is_resolved_not_guessed(
     scheduler is read back, answered success and sent to the agent; before, the client read
     "state not stored" (with an empty cause) and the agent kept the old spec until the
     re-apply guard."""
-    from eventsource.etcd import b64
-
-    proxy = AnswerDropper(etcd_private.endpoint)
-    await proxy.start()
-    try:
-        settings = make_settings(etcd_private, redis_server, key_root, stream_key,
-                                 etcd_endpoints=(proxy.endpoint,), etcd_timeout_s=1.0,
-                                 reapply_guard_s=45.0)
-        async with leading_fleet(settings, 1) as (sched, fleet, stub):
-            first = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w-up", spec=container_spec(image="nginx:1")), timeout=20)
-            assert first.success, first
-            node = fleet.nodes[0]
-            await wait_for(lambda: node.workload_state("w-up") == "Running", timeout=15)
-            old_revision = node.workload_revision("w-up")
-            proxy.arm(b64(sched.layout.spec("w-up")).encode())
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                workload_id="w-up", spec=container_spec(image="nginx:2")), timeout=20)
-            assert proxy.dropped == 1
-            stored = await sched.etcd.get(sched.layout.spec("w-up"))
-            assert stored is not None
-            assert b"nginx:2" in stored.value  # etcd applied it
-            assert resp.success, (resp.failure_reason, resp.error_message)
-            await wait_for(lambda: node.workload_revision("w-up") not in (None, old_revision),
-                           timeout=15, message="the stored update never reached its agent")
-    finally:
-        await proxy.stop()
+    async with answer_dropping_fleet(etcd_private, redis_server, key_root, stream_key) as (
+            proxy, sched, fleet, stub):
+        first = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-up", spec=container_spec(image="nginx:1")), timeout=20)
+        assert first.success, first
+        node = fleet.nodes[0]
+        await wait_for(lambda: node.workload_state("w-up") == "Running", timeout=15)
+        old_revision = node.workload_revision("w-up")
+        proxy.arm(b64(sched.layout.spec("w-up")).encode())
+        resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="w-up", spec=container_spec(image="nginx:2")), timeout=20)
+        assert proxy.dropped == 1
+        stored = await sched.etcd.get(sched.layout.spec("w-up"))
+        assert stored is not None
+        assert b"nginx:2" in stored.value  # etcd applied it
+        assert resp.success, (resp.failure_reason, resp.error_message)
+        await wait_for(lambda: node.workload_revision("w-up") not in (None, old_revision),
+                       timeout=15, message="the stored update never reached its agent")
 
 
 @pytest.mark.parametrize("fault", ["kill-restart", "pause-past-the-leader-ttl"])
