@@ -3,15 +3,12 @@ reservations of leader-loop placements, on real etcd and Redis."""
 
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
 
-from eventsource.commit import Change
 from eventsource.errors import NotLeader, Unavailable
-from eventsource.etcd import Compare, Delete, Put
-from eventsource.records import encode
+from eventsource.etcd import Delete
 from handlers.leadership import KEY_CHECK_S
 from handlers.server import Scheduler, StartError
 from tests.fixtures.harness import make_settings, running_scheduler
@@ -31,22 +28,7 @@ async def test_a_reconcile_placement_whose_commit_fails_leaves_no_reservation(
         sched = s.sched
         await s.apply(["orphan"])
         await s.running(["orphan"])
-        node_id = s.status("orphan").node_id
-        status_item = sched.cluster.statuses.get("orphan")
-        alloc_item = sched.cluster.allocations.get(node_id)
-        assert status_item is not None
-        assert alloc_item is not None
-        st = copy.deepcopy(status_item.value)
-        st.node_id = st.assigned_node = ""
-        st.status = "Pending"
-        alloc = copy.deepcopy(alloc_item.value)
-        alloc.remove("orphan")
-        await sched.committer.commit(Change(kind="test", compares=[
-            Compare.mod(sched.layout.status("orphan"), status_item.mod_revision),
-            Compare.mod(sched.layout.allocation(node_id), alloc_item.mod_revision)],
-            puts=[Put(sched.layout.status("orphan"), encode(st), category="status"),
-                  Put(sched.layout.allocation(node_id), encode(alloc), category="allocation")]))
-        await s.caught_up()
+        await s.unassign("orphan")
 
         real_commit = sched.committer.commit
 

@@ -89,6 +89,27 @@ class Stack:
             return None
         return self.fleet.node(item.value.node_id).workload_state(wid)
 
+    async def unassign(self, wid: str) -> None:
+        """As after a runtime-unsupported answer: the assignment cleared and the workload's
+        allocation released, in one compared write; the projections then show it."""
+        sched = self.sched
+        status_item = sched.cluster.statuses.get(wid)
+        assert status_item is not None, wid
+        node_id = status_item.value.node_id
+        alloc_item = sched.cluster.allocations.get(node_id)
+        assert alloc_item is not None, node_id
+        st = copy.deepcopy(status_item.value)
+        st.node_id = st.assigned_node = ""
+        st.status = "Pending"
+        alloc = copy.deepcopy(alloc_item.value)
+        alloc.remove(wid)
+        await sched.committer.commit(Change(kind="test", compares=[
+            Compare.mod(sched.layout.status(wid), status_item.mod_revision),
+            Compare.mod(sched.layout.allocation(node_id), alloc_item.mod_revision)],
+            puts=[Put(sched.layout.status(wid), encode(st), category="status"),
+                  Put(sched.layout.allocation(node_id), encode(alloc), category="allocation")]))
+        await self.caught_up()
+
     async def caught_up(self) -> None:
         """Wait until this replica's projections reflect everything committed so far."""
         revision = await self.sched.etcd.current_revision()
@@ -418,23 +439,7 @@ async def test_unassigned_workload_is_placed_and_applied(etcd_server, redis_serv
         await s.running(["drifter"])
         old = s.holder("drifter")
         old.kill_workloads(["drifter"])
-        # as after a runtime-unsupported answer: assignment cleared, allocation released
-        status_item = s.sched.cluster.statuses.get("drifter")
-        alloc_item = s.sched.cluster.allocations.get(old.node_id)
-        assert status_item is not None
-        assert alloc_item is not None
-        st = copy.deepcopy(status_item.value)
-        st.node_id = st.assigned_node = ""
-        st.status = "Pending"
-        alloc = copy.deepcopy(alloc_item.value)
-        alloc.remove("drifter")
-        await s.sched.committer.commit(Change(kind="test", compares=[
-            Compare.mod(s.sched.layout.status("drifter"), status_item.mod_revision),
-            Compare.mod(s.sched.layout.allocation(old.node_id), alloc_item.mod_revision)],
-            puts=[Put(s.sched.layout.status("drifter"), encode(st), category="status"),
-                  Put(s.sched.layout.allocation(old.node_id), encode(alloc),
-                      category="allocation")]))
-        await s.caught_up()
+        await s.unassign("drifter")
         report = await s.loops.reconcile.run_once()
         assert report.actions == {"Assign": 1}
         assert report.succeeded["Assign"] == 1
