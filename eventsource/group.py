@@ -78,11 +78,8 @@ class Pending:
 
     def committed(self, succeeded: bool, revision: int) -> None:
         """Settle the caller and run ``on_commit`` (a success only)."""
-        if succeeded and self.on_commit is not None:
-            try:
-                self.on_commit(revision)
-            except Exception:
-                log.exception("after-commit step failed kind=%s", self.kind)
+        if succeeded:
+            after_commit(self.on_commit, revision, what=f"kind={self.kind}")
         settle(self.future, result=(succeeded, revision))
 
     def written_keys(self) -> set[str]:
@@ -120,6 +117,17 @@ def _under(keys: set[str], prefixes: list[str]) -> bool:
 
 
 T = TypeVar("T")
+
+
+def after_commit(step: Callable[[int], None] | None, revision: int, *, what: str) -> None:
+    """Run the step that must follow a commit. It runs inside the committer's own task, whose
+    other callers must still be settled, so its failure is logged, never raised."""
+    if step is None:
+        return
+    try:
+        step(revision)
+    except Exception:
+        log.exception("after-commit step failed %s", what)
 
 
 def settle(future: asyncio.Future[T], *, result: T | None = None,

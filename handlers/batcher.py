@@ -33,7 +33,7 @@ from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import MAX_TXN_OPS, Compare, Put
 from eventsource.events import Event
-from eventsource.group import MAX_GROUP_BYTES, change_bytes, settle
+from eventsource.group import MAX_GROUP_BYTES, after_commit, change_bytes, settle
 from eventsource.keys import KeyLayout
 from eventsource.pump import BatchPump
 from eventsource.records import Allocation, encode
@@ -235,12 +235,8 @@ class PlacementBatcher:
                 self.batches += 1
                 self.intents_committed += len(accepted)
                 for intent in accepted:
-                    if intent.on_commit is not None:
-                        try:
-                            intent.on_commit(committed.revision)
-                        except Exception:
-                            log.exception("after-placement step failed workload_id=%s",
-                                          intent.workload_id)
+                    after_commit(intent.on_commit, committed.revision,
+                                 what=f"workload_id={intent.workload_id}")
                     settle(intent.future, result=committed.revision)
                 return
         except (StoreError, ValueError) as exc:
