@@ -2,8 +2,8 @@
 
 Why: a gateway call costs this process about a millisecond of client CPU (and a thread of the
 etcd pool) whatever it carries, and 5,000 nodes heartbeating every 10 s need about 250 lease
-renewals per second (``handlers.liveness`` already halves that): one call per renewal timed out
-by the thousand next to a placement load on two cores. The gateway's ``/v3/lease/keepalive`` is
+renewals per second (``handlers.nodes.liveness`` already halves that): one call per renewal timed
+out by the thousand next to a placement load on two cores. The gateway's ``/v3/lease/keepalive`` is
 a stream, so one call renews up to ``KEEPALIVE_BATCH_MAX`` (16) leases.
 
 How: the first waiting renewal starts a timer of ``linger_s``; when it fires, or as soon as a

@@ -122,7 +122,7 @@ class KeyLayout:
 
     @property
     def topology(self) -> str:
-        """The shard topology every campaigning replica agrees on (handlers/topology.py)."""
+        """The shard topology every campaigning replica agrees on (handlers/cluster/topology.py)."""
         return self._k("/persys/scheduler/topology")
 
     @property

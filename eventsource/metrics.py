@@ -3,8 +3,8 @@
 Names follow persys-facts section G where the Go version had them and STYLE.md 5.10 for the new
 ones (the benchmark reads these exact names). No per-node or per-workload labels.
 
-The Go families and where they are filled: ``grpc_server_*`` (``handlers/grpcmetrics.py``),
-``agent_rpc_*`` (``handlers/agents.py``), ``reconciliation_results_total`` and
+The Go families and where they are filled: ``grpc_server_*`` (``handlers/api/metrics.py``),
+``agent_rpc_*`` (``handlers/agents/pool.py``), ``reconciliation_results_total`` and
 ``reconciliation_cycle*`` (the reconcile loop, through ``observe_reconcile_cycle``),
 ``nodes_status``, ``workloads_status`` and ``workloads_desired_state`` (kept from the
 projections' change feed on every replica: ``projections/gauges.py``) and

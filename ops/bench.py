@@ -31,7 +31,7 @@ import signal
 import sys
 from typing import Any
 
-from handlers.eventloop import run as run_loop
+from handlers.app.eventloop import run as run_loop
 from ops.benchlib.clients import ApiClients
 from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.scenario import BenchContext, Outcome, Scenario

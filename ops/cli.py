@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from handlers.config import ConfigError, Settings, load_settings, require_tls_files
-from handlers.logs import configure_logging
+from handlers.app.logs import configure_logging
+from handlers.settings.config import ConfigError, Settings, load_settings, require_tls_files
 
 
 def _stop_event() -> asyncio.Event:
@@ -33,7 +33,7 @@ def _stop_event() -> asyncio.Event:
 
 
 async def _serve(settings: Settings) -> int:
-    from handlers.looplag import tune_gc
+    from handlers.app.looplag import tune_gc
 
     tune_gc()  # this process is the scheduler: its heap is the projections
     return await run_replica(settings, _stop_event())
@@ -44,7 +44,7 @@ async def run_replica(settings: Settings, stop: asyncio.Event, *,
     """``serve``'s exit status: 0 when stopped (also while starting), 2 on invalid settings
     (an address it cannot listen on included), 1 when the replica could not start; the reason
     goes to stderr, never as a traceback."""
-    from handlers.server import READY_TIMEOUT_S, ListenError, StartError, serve
+    from handlers.app.server import READY_TIMEOUT_S, ListenError, StartError, serve
 
     try:
         await serve(settings, stop,
@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"persys-scheduler: invalid configuration: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
-    from handlers.eventloop import run
+    from handlers.app.eventloop import run
 
     return run(lambda: _serve(settings), settings.event_loop)
 
@@ -131,8 +131,8 @@ def _dev_settings(args: argparse.Namespace) -> Settings:
 
 async def _dev(args: argparse.Namespace) -> int:
     from eventsource.racing import race
-    from handlers.looplag import tune_gc
-    from handlers.server import ListenError, Scheduler, StartError
+    from handlers.app.looplag import tune_gc
+    from handlers.app.server import ListenError, Scheduler, StartError
     from ops.devstack import EtcdProcess, RedisProcess, ServerStartError
     from ops.sim import Fleet, NodeBehaviour
 
@@ -231,8 +231,8 @@ async def _dev(args: argparse.Namespace) -> int:
 
 
 def cmd_dev(args: argparse.Namespace) -> int:
-    from handlers.config import EVENT_LOOPS
-    from handlers.eventloop import run
+    from handlers.app.eventloop import run
+    from handlers.settings.config import EVENT_LOOPS
 
     event_loop = os.environ.get("SCHEDULER_EVENT_LOOP", "uvloop").strip().lower()
     if event_loop not in EVENT_LOOPS:
@@ -243,7 +243,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from handlers.looplag import tune_gc
+    from handlers.app.looplag import tune_gc
     from ops.sim import run_sim
 
     tune_gc()  # 5,000 simulated nodes are a large long-lived heap too: keep heartbeats on time

@@ -19,8 +19,8 @@ import sys
 from eventsource.errors import StoreError
 from eventsource.etcd import AsyncEtcd, Compare, Delete
 from eventsource.keys import KeyLayout
-from handlers.config import ConfigError, etcd_tls_from_env
-from handlers.supervisor import has_state
+from handlers.cluster.supervisor import has_state
+from handlers.settings.config import ConfigError, etcd_tls_from_env
 
 
 def add_confirm_arguments(parser: argparse.ArgumentParser) -> None:

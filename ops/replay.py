@@ -25,7 +25,7 @@ from eventsource.etcd import AsyncEtcd
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.stream import RedisEventLog, StreamError, redis_url, writer_client
-from handlers.config import ConfigError, etcd_tls_from_env
+from handlers.settings.config import ConfigError, etcd_tls_from_env
 from projections.cluster import ClusterProjection
 from projections.event_views import EventView
 
@@ -61,7 +61,7 @@ def cluster_snapshot(cluster: ClusterProjection) -> dict[str, Any]:
 
 
 def check_invariants(cluster: ClusterProjection) -> list[str]:
-    from handlers.specs import request_of
+    from handlers.specs.validation import request_of
 
     problems: list[str] = []
     expected: dict[str, dict[str, tuple[int, int]]] = {}

@@ -7,6 +7,7 @@
 #   the etcd, Redis and Vault-API servers the fixtures start);
 # * Debian's Ceph packages for the RGW bucket tests (needs root and apt; skipped if present);
 # * CoreDNS, built once from the Go module proxy into .cache/bin (the DNS test).
+# * the import contracts (import-linter), then pytest.
 # Each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,5 +38,8 @@ if [ ! -x .cache/bin/coredns ] && [ -z "${PERSYS_COREDNS_BIN:-}" ]; then
     echo "ops/test.sh: building CoreDNS from the Go module proxy (first run only)" >&2
     PATH="$PATH:/usr/local/go/bin" .venv/bin/python -m ops.coredns --build </dev/null >/dev/null
 fi
+
+# the import contracts of pyproject.toml (layers, independent packages, pure deciders)
+.venv/bin/lint-imports --no-cache </dev/null
 
 exec .venv/bin/python -m pytest "$@"

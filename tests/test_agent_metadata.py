@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from handlers.statusmeta import (
+from handlers.workloads.metadata import (
     AGENT_KEYS_MAX,
     METADATA_MAX_KEYS,
     VALUE_BYTES,

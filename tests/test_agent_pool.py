@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from eventsource.metrics import Metrics
-from handlers.agents import AgentError, AgentPool
-from handlers.grpcmetrics import go_code
+from handlers.agents.codes import go_code
+from handlers.agents.pool import AgentError, AgentPool
 from proto.persys.agent.v1 import agent_pb2
 
 BIG_MIB = 12

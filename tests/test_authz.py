@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from handlers.authz import (
+from handlers.identity.authz import (
     AGENT_METHODS,
     Caller,
     NodeBinding,
@@ -15,7 +15,7 @@ from handlers.authz import (
     refuse_heartbeat,
     refuse_registration,
 )
-from handlers.config import ConfigError, load_settings
+from handlers.settings.config import ConfigError, load_settings
 
 AGENT = Caller.from_auth_context({
     "x509_common_name": [b"compute-agent"],

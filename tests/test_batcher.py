@@ -7,7 +7,7 @@ from typing import Any
 
 from eventsource.etcd import Compare, Put
 from eventsource.group import MAX_GROUP_BYTES
-from handlers.batcher import Intent, PlacementBatcher
+from handlers.placement.batcher import Intent, PlacementBatcher
 
 
 def intent(i: int, *, node: str, value_bytes: int) -> Intent:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from handlers.buckets import user_for
+from handlers.storage.buckets import user_for
 from tests.fixtures.storage import bucket_prefix, openbao_server, rgw_server, vault_prefix
 from tests.fixtures.waiting import wait_for
 from tests.test_buckets import admin_rgw, bucket_env, commands, vault_read

@@ -32,7 +32,9 @@ import requests
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from handlers.buckets import (
+from handlers.settings.buckets import BucketsConfig, load_buckets_config
+from handlers.settings.config import ConfigError
+from handlers.storage.buckets import (
     BucketCommands,
     BucketError,
     _Rgw,
@@ -40,9 +42,7 @@ from handlers.buckets import (
     canonical_query,
     user_for,
 )
-from handlers.buckets_config import BucketsConfig, load_buckets_config
-from handlers.config import ConfigError
-from handlers.vault import VaultError, VaultKV, refresh_after
+from handlers.vault.client import VaultError, VaultKV, refresh_after
 from ops.devstack import free_port
 from ops.openbao import OpenBaoProcess
 from ops.rgw import RgwCluster

@@ -11,7 +11,7 @@ from eventsource.etcd import AsyncEtcd, Compare, Put
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, WorkloadStatus, decode, encode
-from handlers.state import StateWriter
+from handlers.writes.cas import StateWriter
 from projections.cluster import ClusterProjection
 
 GO_NODE = {

@@ -1,4 +1,5 @@
-"""The scheduler's certificate from Vault PKI (handlers/certmanager.py), against a real OpenBao.
+"""The scheduler's certificate from Vault PKI (handlers/cluster/certificates.py), against a real
+OpenBao.
 
 The PKI engine is mounted per test at a unique path with a root CA and a role that issues
 client-and-server certificates, as vault-manager sets up for persys services.
@@ -22,11 +23,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eventsource.metrics import Metrics
-from handlers.agents import AgentError, AgentPool, TlsFiles, is_handshake_failure
-from handlers.buckets_config import VaultConfig
-from handlers.certmanager import CertConfig, CertManager, load_cert_config, rotate_at
-from handlers.config import ConfigError
-from handlers.vault import VaultKV
+from handlers.agents.pool import AgentError, AgentPool, TlsFiles, is_handshake_failure
+from handlers.cluster.certificates import CertConfig, CertManager, load_cert_config, rotate_at
+from handlers.settings.buckets import VaultConfig
+from handlers.settings.config import ConfigError
+from handlers.vault.client import VaultKV
 from ops.openbao import OpenBaoProcess
 from proto.persys.agent.v1 import agent_pb2
 from tests.fixtures.certs import TestCA

@@ -9,8 +9,8 @@ import pytest
 
 from eventsource.etcd import AsyncEtcd, Put
 from eventsource.keys import KeyLayout
-from handlers.modes import NORMAL, RECOVERY, decide_mode
-from handlers.supervisor import has_state
+from handlers.cluster.modes import NORMAL, RECOVERY, decide_mode
+from handlers.cluster.supervisor import has_state
 from ops.confirm import confirm_empty_state
 from ops.devstack import EtcdProcess
 
@@ -56,7 +56,7 @@ async def test_confirming_is_refused_when_state_exists(etcd: AsyncEtcd, key_root
 
 
 def test_the_recovery_reason_names_the_command() -> None:
-    from handlers.modes import Probe
+    from handlers.cluster.modes import Probe
 
     mode, reason = decide_mode(Probe(etcd_ok=True, initialized=True, has_state=False,
                                      allow_empty_state=False))

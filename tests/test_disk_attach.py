@@ -1,5 +1,5 @@
 """Workloads using standalone disks (``persys.disk.ids``) end to end: scheduler, simulated
-fleet, real etcd. See handlers/diskattach.py for the rules."""
+fleet, real etcd. See handlers/storage/attachments.py for the rules."""
 
 from __future__ import annotations
 

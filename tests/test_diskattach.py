@@ -7,7 +7,8 @@ import json
 import pytest
 
 from eventsource.keys import KeyLayout
-from handlers.diskattach import (
+from handlers.specs.validation import InvalidSpec
+from handlers.storage.attachments import (
     attached,
     detached,
     disk_ids_in_spec,
@@ -16,7 +17,6 @@ from handlers.diskattach import (
     plan_attach,
     volume_of,
 )
-from handlers.specs import InvalidSpec
 
 
 def disk(name: str, driver: str = "local", *, node: str = "", refs: tuple[str, ...] = (),

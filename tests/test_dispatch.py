@@ -16,8 +16,8 @@ from eventsource.errors import NotLeader
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, WorkloadSpec, WorkloadStatus
-from handlers.agents import AgentPool
-from handlers.dispatch import Dispatcher
+from handlers.agents.pool import AgentPool
+from handlers.workloads.dispatch import Dispatcher
 from projections.prefix import Item
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from tests.fixtures.waiting import wait_for

@@ -16,16 +16,16 @@ from hypothesis import strategies as st
 
 from eventsource.etcd import Delete
 from eventsource.records import WorkloadSpec, WorkloadStatus
-from handlers.config import ConfigError, load_settings
-from handlers.disruption import (
+from handlers.reconcile.disruption import (
     Bucket,
     EvictionGate,
     EvictionPolicy,
     decide_evictions,
     disrupted,
 )
-from handlers.reconcile import AWAIT_EVICTION, AWAIT_NODE, FAILOVER, NodeView, plan_workload
-from handlers.retry import RetryPolicy
+from handlers.reconcile.planner import AWAIT_EVICTION, AWAIT_NODE, FAILOVER, NodeView, plan_workload
+from handlers.settings.config import ConfigError, load_settings
+from handlers.workloads.retry import RetryPolicy
 from tests.fixtures.harness import make_settings
 from tests.fixtures.waiting import wait_for
 from tests.test_reconcile import QUIET, Stack, stack

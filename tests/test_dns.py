@@ -13,7 +13,7 @@ import pytest
 from eventsource.errors import Unavailable
 from eventsource.etcd import AsyncEtcd, Delete
 from eventsource.keys import KeyLayout
-from handlers.dns import DnsRegistration
+from handlers.cluster.dns import DnsRegistration
 from ops.coredns import CoreDnsProcess, build_coredns, find_coredns_binary
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import control_stub, make_settings, running_scheduler

@@ -18,7 +18,7 @@ from eventsource.errors import Conflict, LeaseLost
 from eventsource.etcd import AsyncEtcd, Put
 from eventsource.keys import KeyLayout
 from eventsource.stream import reraise_swallowed_cancel
-from handlers.topology import Topology, settle_topology
+from handlers.cluster.topology import Topology, settle_topology
 
 TTL = 2
 

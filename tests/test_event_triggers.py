@@ -29,9 +29,9 @@ from eventsource.etcd import AsyncEtcd, Put
 from eventsource.events import CATALOGUE, EVENT_TYPES, parse_rfc3339, parse_stream_id
 from eventsource.keys import KeyLayout
 from eventsource.stream import writer_client
-from handlers.config import Settings
-from handlers.reconcile import REAPPLY
-from handlers.server import Scheduler
+from handlers.app.server import Scheduler
+from handlers.reconcile.planner import REAPPLY
+from handlers.settings.config import Settings
 from ops.devstack import EtcdProcess, RedisProcess
 from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb

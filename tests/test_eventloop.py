@@ -1,4 +1,4 @@
-"""The event loop a scheduler process runs on (handlers/eventloop.py, SCHEDULER_EVENT_LOOP)."""
+"""The event loop a scheduler process runs on (handlers/app/eventloop.py, SCHEDULER_EVENT_LOOP)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from handlers.config import ConfigError, load_settings
-from handlers.eventloop import loop_factory, run
+from handlers.app.eventloop import loop_factory, run
+from handlers.settings.config import ConfigError, load_settings
 
 
 def test_the_setting_defaults_to_uvloop_and_names_a_bad_value() -> None:

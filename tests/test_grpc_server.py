@@ -10,7 +10,7 @@ from collections import Counter
 import grpc
 import pytest
 
-from handlers.grpcwrap import WrapCache
+from handlers.api.grpcwrap import WrapCache
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1 import control_pb2_grpc
 from tests.fixtures.harness import make_settings, running_scheduler

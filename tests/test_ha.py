@@ -202,8 +202,8 @@ def test_shard_ownership_memo_answers_as_the_go_rule_and_stays_bounded(monkeypat
     from typing import Any
 
     from eventsource.keys import KeyLayout
-    from handlers import leadership
-    from handlers.leadership import LeaderGate, owns_node
+    from handlers.cluster import leadership
+    from handlers.cluster.leadership import LeaderGate, owns_node
 
     monkeypatch.setattr(leadership, "OWNERSHIP_MEMO_MAX", 50)
     nothing: Any = None

@@ -9,8 +9,8 @@ import pytest
 
 from eventsource.errors import NotLeader, Unavailable
 from eventsource.etcd import Delete
-from handlers.leadership import KEY_CHECK_S
-from handlers.server import Scheduler, StartError
+from handlers.app.server import Scheduler, StartError
+from handlers.cluster.leadership import KEY_CHECK_S
 from tests.fixtures.harness import make_settings, running_scheduler
 from tests.fixtures.waiting import wait_for
 from tests.test_reconcile import QUIET, stack

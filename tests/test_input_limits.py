@@ -9,10 +9,10 @@ import base64
 import grpc
 import pytest
 
-from handlers.config import load_settings
-from handlers.nodes import USAGE_TEXT_MAX_CHARS, _usage_dict
-from handlers.server import Scheduler
-from handlers.specs import LABELS_MAX, InvalidSpec, parse_apply
+from handlers.app.server import Scheduler
+from handlers.nodes.commands import USAGE_TEXT_MAX_CHARS, _usage_dict
+from handlers.settings.config import load_settings
+from handlers.specs.validation import LABELS_MAX, InvalidSpec, parse_apply
 from ops.cli import build_parser
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
@@ -152,7 +152,7 @@ async def test_workload_records_that_would_not_fit_etcd_are_invalid_specs(
 
 
 def test_the_redis_password_is_not_in_the_settings_repr() -> None:
-    from handlers.config import load_settings
+    from handlers.settings.config import load_settings
 
     settings = load_settings({"REDIS_ADDR": "127.0.0.1:6379", "REDIS_PASSWORD": "s3cr3t-pw"},
                              insecure=True)

@@ -20,12 +20,12 @@ import apscheduler.schedulers.base as apscheduler_base
 import pytest
 
 import eventsource.clock as clock_module
-import handlers.leadership as leadership_module
+import handlers.cluster.leadership as leadership_module
 from eventsource.election import Session
 from eventsource.etcd import AsyncEtcd, Delete, Put
 from eventsource.keys import KeyLayout
-from handlers.leadership import Loop
-from handlers.modes import DEGRADED, NORMAL, RECOVERY, Probe, decide_mode
+from handlers.cluster.leadership import Loop
+from handlers.cluster.modes import DEGRADED, NORMAL, RECOVERY, Probe, decide_mode
 from tests.fixtures.harness import make_settings, running_scheduler
 from tests.fixtures.metrics import counter_total
 from tests.fixtures.waiting import wait_for

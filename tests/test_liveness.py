@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from handlers.liveness import RenewalLog, lease_ttl, renewal_due
+from handlers.nodes.liveness import RenewalLog, lease_ttl, renewal_due
 
 TTL, INTERVAL = 30, 10
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from handlers.looplag import GcPauses, probe_loop_lag, tune_gc
+from handlers.app.looplag import GcPauses, probe_loop_lag, tune_gc
 from tests.fixtures.waiting import wait_for
 
 

@@ -22,7 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from handlers.authz import NodeBinding
+from handlers.identity.authz import NodeBinding
 from ops.sim import SimTls, add_sim_arguments, run_sim
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1 import control_pb2_grpc

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 import redis.asyncio as aioredis
 
 from eventsource.events import parse_rfc3339
-from handlers.usage import UsageSink
+from handlers.nodes.usage import UsageSink
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     control_stub,

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventsource.records import WorkloadSpec
-from handlers.placement import NodeInfo, PlacementRequest, place, refusal
-from handlers.workloads import persistence_class
+from handlers.placement.decision import NodeInfo, PlacementRequest, place, refusal
+from handlers.workloads.persistence import persistence_class
 
 TYPES = ("container", "compose", "vm")
 

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventsource.records import Node, RetryState, WorkloadSpec, WorkloadStatus
-from handlers.loops import owned_by_node, plan_by_node
-from handlers.reconcile import (
+from handlers.reconcile.loops import owned_by_node, plan_by_node
+from handlers.reconcile.planner import (
     REAPPLY,
     CyclePlan,
     NodeObservation,
@@ -30,7 +30,7 @@ from handlers.reconcile import (
     node_view,
     plan_cycle,
 )
-from handlers.retry import LAST_APPLY_AT, LAST_APPLY_REVISION, RetryPolicy
+from handlers.workloads.retry import LAST_APPLY_AT, LAST_APPLY_REVISION, RetryPolicy
 from projections.cluster import SpecChanges, WorkloadIndex
 from projections.prefix import Item
 from tests.test_retry import T0

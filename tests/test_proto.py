@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import proto
-from handlers.convert import set_time
+from handlers.api.convert import set_time
 from proto import generate as proto_generate
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc

@@ -24,10 +24,9 @@ from eventsource.commit import Change
 from eventsource.etcd import Compare, Put
 from eventsource.events import parse_rfc3339
 from eventsource.records import WorkloadSpec, WorkloadStatus, encode
-from handlers import loops as loops_module
-from handlers.config import Settings
-from handlers.loops import RegisteredLoops, loops_of, monitor_interval_s
-from handlers.reconcile import (
+from handlers.app.server import Scheduler
+from handlers.reconcile.loops import RegisteredLoops, loops_of, monitor_interval_s
+from handlers.reconcile.planner import (
     APPLY_STOPPED,
     BACKOFF_WAIT,
     COUNT_FAILURE,
@@ -37,8 +36,9 @@ from handlers.reconcile import (
     SETTLE,
     TERMINAL,
 )
-from handlers.retry import LAST_APPLY_AT, REAPPLY_ATTEMPTS
-from handlers.server import Scheduler
+from handlers.reconcile import loops as loops_module
+from handlers.settings.config import Settings
+from handlers.workloads.retry import LAST_APPLY_AT, REAPPLY_ATTEMPTS
 from ops.sim import Fleet, NodeBehaviour
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from proto.persys.control.v1 import control_pb2 as pb

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from handlers.reconcile import COUNT_FAILURE, REAPPLY
+from handlers.reconcile.planner import COUNT_FAILURE, REAPPLY
 from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import make_settings
@@ -161,7 +161,7 @@ async def test_drift_never_deletes_a_workload_created_while_the_agents_were_list
     before it was listed: the revision to wait for is the one after the listing."""
     from eventsource.etcd import Put
     from eventsource.records import WorkloadSpec, WorkloadStatus, encode
-    from handlers import loops as loops_module
+    from handlers.reconcile import loops as loops_module
     from tests.test_reconcile import agent_apply
 
     monkeypatch.setattr(loops_module, "DRIFT_FRESHNESS_WAIT_S", 0.3)

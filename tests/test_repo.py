@@ -38,9 +38,10 @@ def test_etcd3gw_watch_helpers_are_not_used():
 
 
 def test_pure_deciders_do_not_do_io():
-    pure = [ROOT / "handlers" / "placement.py", ROOT / "handlers" / "modes.py"]
-    pure += [p for p in (ROOT / "handlers" / "retry.py", ROOT / "handlers" / "reconcile.py")
-             if p.exists()]
+    pure = [ROOT / "handlers" / "placement" / "decision.py",
+            ROOT / "handlers" / "cluster" / "modes.py",
+            ROOT / "handlers" / "workloads" / "retry.py",
+            ROOT / "handlers" / "reconcile" / "planner.py"]
     banned = re.compile(r"^\s*(import|from)\s+(asyncio|etcd3gw|redis|grpc|time|random)\b",
                         re.M)
     for path in pure:

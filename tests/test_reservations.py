@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handlers.reservations import Reservations
+from handlers.placement.reservations import Reservations
 
 
 def fresh(ttl: float = 10.0, already: set[tuple[str, str]] | None = None) -> Reservations:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from eventsource.events import rfc3339
 from eventsource.records import Node, RetryState, WorkloadSpec, WorkloadStatus
-from handlers.reconcile import (
+from handlers.reconcile.planner import (
     ADOPT,
     ALIGN_STATUS,
     APPLY_STOPPED,
@@ -65,7 +65,8 @@ from handlers.reconcile import (
     plan_workload,
     steady_running,
 )
-from handlers.retry import (
+from handlers.workloads.metadata import agent_metadata
+from handlers.workloads.retry import (
     FAILURE_COUNTED_FOR,
     FAILURE_OBSERVED_AT,
     LAST_APPLY_AT,
@@ -83,7 +84,6 @@ from handlers.retry import (
     reapply_guard,
     retry_backoff_s,
 )
-from handlers.statusmeta import agent_metadata
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 POLICY = RetryPolicy()

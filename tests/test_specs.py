@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventsource.records import WorkloadSpec
-from handlers.specs import InvalidSpec, agent_apply_request, parse_apply
+from handlers.specs.validation import InvalidSpec, agent_apply_request, parse_apply
 from proto.persys.control.v1 import control_pb2 as pb
 
 VM_FIELD = "spec.metadata[persys.vm_spec_b64]"

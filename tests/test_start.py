@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from handlers.config import ConfigError, load_settings
+from handlers.settings.config import ConfigError, load_settings
 from ops.cli import run_replica
 from ops.devstack import EtcdProcess, etcd_revision, free_port
 

@@ -26,7 +26,7 @@ from eventsource.stream import (
     SubscriptionOverflow,
     writer_client,
 )
-from handlers import events as events_api
+from handlers.api import events as events_api
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.waiting import wait_for
 

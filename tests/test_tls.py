@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from handlers.tls import ServerCertificates
+from handlers.cluster.tls import ServerCertificates
 from tests.fixtures.certs import TestCA
 
 

@@ -9,7 +9,7 @@ import json
 
 import redis.asyncio as aioredis
 
-from handlers.usage import UsageSink
+from handlers.nodes.usage import UsageSink
 from tests.fixtures.waiting import wait_for
 
 
