@@ -380,6 +380,7 @@ EXPECTED_CONTROL_METHODS = [
     ("DeleteBucket", UNARY),
     ("GetBucketAccess", UNARY),
     ("ListBucketObjects", UNARY),
+    ("ExplainPlacement", UNARY),
 ]
 
 EXPECTED_AGENT_METHODS = [

@@ -19,6 +19,8 @@ from eventsource.errors import Conflict, OutcomeUnknown, StoreError
 from eventsource.metrics import Metrics
 from handlers.api.access import caller_of
 from handlers.api.convert import disk_view, node_view, workload_view
+from handlers.api.explain import PlacementExplainer
+from handlers.api.spec_message import spec_message
 from handlers.cluster.modes import ModeState
 from handlers.identity.authz import Caller
 from handlers.nodes.commands import NodeCommands
@@ -79,7 +81,9 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         metrics: Metrics,
         disks: DiskCommands | None = None,
         buckets: BucketCommands | None = None,
+        explainer: PlacementExplainer | None = None,
     ) -> None:
+        self.explainer = explainer
         self.disks = disks
         self.buckets = buckets
         self.settings = settings
@@ -443,7 +447,8 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         status = self.cluster.statuses.get(wid)
         usage = await self.usage.get(wid)
         return control_pb2.GetWorkloadResponse(
-            workload=workload_view(spec.value, status.value if status else None, usage))
+            workload=workload_view(spec.value, status.value if status else None, usage),
+            spec=spec_message(spec.value, status.value.metadata if status else {}))
 
     async def GetClusterSummary(self, request: control_pb2.GetClusterSummaryRequest,
                                 context: grpc.aio.ServicerContext
@@ -641,3 +646,13 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         result: control_pb2.ListBucketObjectsResponse = await self._bucket_call(context, body)
         return result
 
+    # -- placement explanations (gRPC status codes) -----------------------------------------
+    async def ExplainPlacement(self, request: control_pb2.ExplainPlacementRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> control_pb2.ExplainPlacementResponse:
+        await self._require_ready(context)
+        if self.explainer is None:
+            refused: control_pb2.ExplainPlacementResponse = await self._unimplemented(
+                context, "placement explanations")
+            return refused
+        return await self.explainer.explain(request, context, now=datetime.now(UTC))

@@ -32,6 +32,7 @@ from eventsource.stream import RedisEventLog, StreamTailer, redis_url, writer_cl
 from handlers.agents.pool import AgentPool, TlsFiles
 from handlers.api.access import AgentRoleInterceptor
 from handlers.api.events import EventService
+from handlers.api.explain import PlacementExplainer
 from handlers.api.http import HttpEndpoint
 from handlers.api.metrics import ServerMetrics
 from handlers.api.servicer import ControlServicer
@@ -286,7 +287,8 @@ class Scheduler:
                                         disks=DiskCommands(
                                             self.etcd, self.committer, self.layout, self.clock,
                                             volume_users=self._volume_users),
-                                        buckets=build_buckets(os.environ))
+                                        buckets=build_buckets(os.environ),
+                                        explainer=PlacementExplainer(self.cluster, self.placer))
         self.http = HttpEndpoint(self.metrics.registry, self.health)
         self.tasks = TaskOwner()
         self.gc_pauses = GcPauses(self.metrics.gc_pause)

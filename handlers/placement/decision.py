@@ -190,9 +190,15 @@ def score(
         + SPREAD_WEIGHT * spread
         + jitter(req.workload_id, node.node_id)
     )
-    if any(effect == "PreferNoSchedule" for _, _, effect in node.taints):
-        total -= PREFER_NO_SCHEDULE_PENALTY
+    total -= taint_penalty(node)
     return ScoredNode(node.node_id, total, cpu_headroom, mem_headroom, spread)
+
+
+def taint_penalty(node: NodeInfo) -> float:
+    """What a PreferNoSchedule taint takes off a node's score."""
+    if any(effect == "PreferNoSchedule" for _, _, effect in node.taints):
+        return PREFER_NO_SCHEDULE_PENALTY
+    return 0.0
 
 
 def place(

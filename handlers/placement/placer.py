@@ -8,6 +8,7 @@ counts for spread, the liveness set, and this replica's in-flight reservations.
 from __future__ import annotations
 
 import time
+from collections import ChainMap
 from collections.abc import Mapping
 
 from eventsource.clock import Clock
@@ -21,6 +22,7 @@ from handlers.placement.decision import (
     canonical_type,
     place,
 )
+from handlers.placement.explanation import Explanation, explain
 from handlers.placement.reservations import Reservations
 from projections.cluster import ClusterProjection
 from projections.prefix import Item
@@ -163,6 +165,27 @@ class Placer:
         )
         self.metrics.placement_decision_seconds.observe(time.thread_time() - started)
         return decision
+
+    def explain(self, req: PlacementRequest, *, top: int,
+                leave_out: tuple[str, int, int] | None = None) -> Explanation:
+        """``decide``'s inputs, explained; ``leave_out`` = (node, cpu, mem) takes a placed
+        workload off its node (its allocation and its count), so it is judged as it was when
+        it was placed."""
+        self.reservations.prune(self.clock.monotonic())
+        allocated: Mapping[str, tuple[int, int]] = self.allocated.sums
+        counts: Mapping[str, int] = self.cluster.workloads.counts
+        max_count = self.cluster.workloads.max_count
+        if leave_out is not None:
+            node_id, cpu_m, mem_mb = leave_out
+            cpu, mem = allocated.get(node_id, (0, 0))
+            allocated = ChainMap({node_id: (max(0, cpu - cpu_m), max(0, mem - mem_mb))},
+                                 self.allocated.sums)
+            counts = ChainMap({node_id: max(0, counts.get(node_id, 0) - 1)}, dict(counts))
+            max_count = max(counts.values(), default=0)
+        return explain(
+            req, self.nodes.as_list(), alive=self.cluster.alive.items, allocated=allocated,
+            reserved=self.reservations.by_node, counts=counts, max_count=max_count,
+            sample=self.sample, lane=self.lane, top=top)
 
     def reserve(self, workload_id: str, node_id: str, cpu_m: int, mem_mb: int) -> None:
         self.reservations.reserve(workload_id, node_id, cpu_m, mem_mb, self.clock.monotonic())

@@ -1688,16 +1688,25 @@ class GetWorkloadResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKLOAD_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def workload(self) -> Global___WorkloadView: ...
+    @_builtins.property
+    def spec(self) -> Global___WorkloadSpec:
+        """EXTENSION (persys-scheduler Python, not in the Go proto): the stored spec in the
+        ApplyWorkloadRequest shape, so that it can be edited and applied again. Go clients
+        never read it.
+        """
+
     def __init__(
         self,
         *,
         workload: Global___WorkloadView | None = ...,
+        spec: Global___WorkloadSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["workload", b"workload"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "workload", b"workload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["workload", b"workload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "workload", b"workload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2666,3 +2675,229 @@ class ObjectInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ObjectInfo: _TypeAlias = ObjectInfo  # noqa: Y015
+
+@_typing.final
+class ExplainPlacementRequest(_message.Message):
+    """===================================================================
+    Placement explanations (EXTENSION: persys-scheduler Python)
+    ===================================================================
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKLOAD_ID_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    workload_id: _builtins.str
+    """A stored workload to explain; or leave it empty and send spec."""
+    top: _builtins.int
+    """How many of the best candidates to return (0: 5; at most 50)."""
+    @_builtins.property
+    def spec(self) -> Global___WorkloadSpec:
+        """A spec to evaluate as an ApplyWorkload would (nothing is stored)."""
+
+    def __init__(
+        self,
+        *,
+        workload_id: _builtins.str = ...,
+        spec: Global___WorkloadSpec | None = ...,
+        top: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "top", b"top", "workload_id", b"workload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExplainPlacementRequest: _TypeAlias = ExplainPlacementRequest  # noqa: Y015
+
+@_typing.final
+class PlacementRefusalCount(_message.Message):
+    """How many nodes refused the workload for one reason."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    """e.g. "insufficient cpu", "tainted NoSchedule", "draining" """
+    nodes: _builtins.int
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+        nodes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementRefusalCount: _TypeAlias = PlacementRefusalCount  # noqa: Y015
+
+@_typing.final
+class PlacementRefusal(_message.Message):
+    """One node's refusal in full."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    reason: _builtins.str
+    """e.g. "insufficient cpu: free 500m < 2000m" """
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementRefusal: _TypeAlias = PlacementRefusal  # noqa: Y015
+
+@_typing.final
+class PlacementCandidate(_message.Message):
+    """A node that passed every filter, with its score and the score's parts."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    CPU_HEADROOM_FIELD_NUMBER: _builtins.int
+    MEMORY_HEADROOM_FIELD_NUMBER: _builtins.int
+    SPREAD_FIELD_NUMBER: _builtins.int
+    TIE_BREAK_FIELD_NUMBER: _builtins.int
+    TAINT_PENALTY_FIELD_NUMBER: _builtins.int
+    FREE_CPU_MILLICORES_FIELD_NUMBER: _builtins.int
+    FREE_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    RESERVED_CPU_MILLICORES_FIELD_NUMBER: _builtins.int
+    RESERVED_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    score: _builtins.float
+    cpu_headroom: _builtins.float
+    """free / total after allocations and in-flight reservations, 0..1 (weight 0.4 each)"""
+    memory_headroom: _builtins.float
+    spread: _builtins.float
+    """1 - workloads on the node / the most on any node (weight 0.2)"""
+    tie_break: _builtins.float
+    """the deterministic tie-break added to the score, in [0, 0.01)"""
+    taint_penalty: _builtins.float
+    """subtracted for a PreferNoSchedule taint (0 or 0.5)"""
+    free_cpu_millicores: _builtins.int
+    free_memory_mb: _builtins.int
+    reserved_cpu_millicores: _builtins.int
+    """this replica's in-flight reservations on the node that counted"""
+    reserved_memory_mb: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        score: _builtins.float = ...,
+        cpu_headroom: _builtins.float = ...,
+        memory_headroom: _builtins.float = ...,
+        spread: _builtins.float = ...,
+        tie_break: _builtins.float = ...,
+        taint_penalty: _builtins.float = ...,
+        free_cpu_millicores: _builtins.int = ...,
+        free_memory_mb: _builtins.int = ...,
+        reserved_cpu_millicores: _builtins.int = ...,
+        reserved_memory_mb: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_headroom", b"cpu_headroom", "free_cpu_millicores", b"free_cpu_millicores", "free_memory_mb", b"free_memory_mb", "memory_headroom", b"memory_headroom", "node_id", b"node_id", "reserved_cpu_millicores", b"reserved_cpu_millicores", "reserved_memory_mb", b"reserved_memory_mb", "score", b"score", "spread", b"spread", "taint_penalty", b"taint_penalty", "tie_break", b"tie_break"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlacementCandidate: _TypeAlias = PlacementCandidate  # noqa: Y015
+
+@_typing.final
+class ExplainPlacementResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKLOAD_ID_FIELD_NUMBER: _builtins.int
+    ASSIGNED_NODE_ID_FIELD_NUMBER: _builtins.int
+    ASSIGNED_REASON_FIELD_NUMBER: _builtins.int
+    CHOSEN_NODE_ID_FIELD_NUMBER: _builtins.int
+    NODES_TOTAL_FIELD_NUMBER: _builtins.int
+    NODES_FIT_FIELD_NUMBER: _builtins.int
+    REFUSALS_FIELD_NUMBER: _builtins.int
+    CANDIDATES_FIELD_NUMBER: _builtins.int
+    REFUSAL_SAMPLE_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    RESERVATIONS_FIELD_NUMBER: _builtins.int
+    RESERVED_CPU_MILLICORES_FIELD_NUMBER: _builtins.int
+    RESERVED_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    WORKLOAD_TYPE_FIELD_NUMBER: _builtins.int
+    CPU_MILLICORES_FIELD_NUMBER: _builtins.int
+    MEMORY_MB_FIELD_NUMBER: _builtins.int
+    GENERATED_AT_FIELD_NUMBER: _builtins.int
+    workload_id: _builtins.str
+    assigned_node_id: _builtins.str
+    """The node a stored workload is assigned to ("" when it is not placed, or for a spec)."""
+    assigned_reason: _builtins.str
+    """What its status recorded when it was placed."""
+    chosen_node_id: _builtins.str
+    """The node placement would choose now ("" when nothing fits). For a placed workload its
+    own allocation is left out, so the choice is the one it would get again.
+    """
+    nodes_total: _builtins.int
+    nodes_fit: _builtins.int
+    summary: _builtins.str
+    """One line: "0/20 nodes fit: 12 insufficient cpu, 5 tainted NoSchedule, 3 draining"."""
+    reservations: _builtins.int
+    """This replica's in-flight reservations that counted, and what they hold."""
+    reserved_cpu_millicores: _builtins.int
+    reserved_memory_mb: _builtins.int
+    workload_type: _builtins.str
+    """What was evaluated."""
+    cpu_millicores: _builtins.int
+    memory_mb: _builtins.int
+    @_builtins.property
+    def refusals(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementRefusalCount]:
+        """The refusals counted by reason, most first."""
+
+    @_builtins.property
+    def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementCandidate]:
+        """The best candidates, best first."""
+
+    @_builtins.property
+    def refusal_sample(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlacementRefusal]:
+        """At most 20 refusals in full."""
+
+    @_builtins.property
+    def generated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        workload_id: _builtins.str = ...,
+        assigned_node_id: _builtins.str = ...,
+        assigned_reason: _builtins.str = ...,
+        chosen_node_id: _builtins.str = ...,
+        nodes_total: _builtins.int = ...,
+        nodes_fit: _builtins.int = ...,
+        refusals: _abc.Iterable[Global___PlacementRefusalCount] | None = ...,
+        candidates: _abc.Iterable[Global___PlacementCandidate] | None = ...,
+        refusal_sample: _abc.Iterable[Global___PlacementRefusal] | None = ...,
+        summary: _builtins.str = ...,
+        reservations: _builtins.int = ...,
+        reserved_cpu_millicores: _builtins.int = ...,
+        reserved_memory_mb: _builtins.int = ...,
+        workload_type: _builtins.str = ...,
+        cpu_millicores: _builtins.int = ...,
+        memory_mb: _builtins.int = ...,
+        generated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["generated_at", b"generated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigned_node_id", b"assigned_node_id", "assigned_reason", b"assigned_reason", "candidates", b"candidates", "chosen_node_id", b"chosen_node_id", "cpu_millicores", b"cpu_millicores", "generated_at", b"generated_at", "memory_mb", b"memory_mb", "nodes_fit", b"nodes_fit", "nodes_total", b"nodes_total", "refusal_sample", b"refusal_sample", "refusals", b"refusals", "reservations", b"reservations", "reserved_cpu_millicores", b"reserved_cpu_millicores", "reserved_memory_mb", b"reserved_memory_mb", "summary", b"summary", "workload_id", b"workload_id", "workload_type", b"workload_type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExplainPlacementResponse: _TypeAlias = ExplainPlacementResponse  # noqa: Y015

@@ -184,6 +184,11 @@ class AgentControlStub:
                 request_serializer=proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ListBucketObjectsRequest.SerializeToString,
                 response_deserializer=proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ListBucketObjectsResponse.FromString,
                 _registered_method=True)
+        self.ExplainPlacement = channel.unary_unary(
+                '/persys.control.v1.AgentControl/ExplainPlacement',
+                request_serializer=proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ExplainPlacementRequest.SerializeToString,
+                response_deserializer=proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ExplainPlacementResponse.FromString,
+                _registered_method=True)
 
 
 class AgentControlServicer:
@@ -380,6 +385,16 @@ class AgentControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExplainPlacement(self, request, context):
+        """--- placement explanations ---
+        EXTENSION (persys-scheduler Python, not in the Go proto): why a stored workload is
+        where it is, or where a spec would go and why it fits nowhere; stores nothing. Errors
+        are gRPC status codes (INVALID_ARGUMENT naming the field, NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -532,6 +547,11 @@ def add_AgentControlServicer_to_server(servicer, server):
                     servicer.ListBucketObjects,
                     request_deserializer=proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ListBucketObjectsRequest.FromString,
                     response_serializer=proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ListBucketObjectsResponse.SerializeToString,
+            ),
+            'ExplainPlacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExplainPlacement,
+                    request_deserializer=proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ExplainPlacementRequest.FromString,
+                    response_serializer=proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ExplainPlacementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1344,6 +1364,33 @@ class AgentControl:
             '/persys.control.v1.AgentControl/ListBucketObjects',
             proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ListBucketObjectsRequest.SerializeToString,
             proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ListBucketObjectsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExplainPlacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/persys.control.v1.AgentControl/ExplainPlacement',
+            proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ExplainPlacementRequest.SerializeToString,
+            proto_dot_persys_dot_control_dot_v1_dot_control__pb2.ExplainPlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,
