@@ -48,7 +48,7 @@ from handlers.nodes.usage import UsageSink, heartbeat_key_prefix
 from handlers.placement.batcher import PlacementBatcher
 from handlers.placement.placer import Placer
 from handlers.settings.config import Settings
-from handlers.storage.buckets import build_buckets
+from handlers.storage.buckets.build import build_buckets
 from handlers.storage.disks import DiskCommands
 from handlers.vault.client import VaultKV
 from handlers.workloads.commands import Relocator, WorkloadCommands
