@@ -41,9 +41,10 @@ class BucketCommands:
         self._s3 = RgwCalls(config)
         #: the blocking client ``_s3`` runs (its methods are looked up at each call)
         self._rgw = self._s3.client
-        self._credentials = BucketCredentials(config, vault, keep=self._keep)
         self._name_locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        #: clean-ups that run to their end even when their RPC is cancelled (``_keep``)
         self._background: set[asyncio.Task[Any]] = set()
+        self._credentials = BucketCredentials(config, vault, keep=self._keep)
 
     @property
     def vault(self) -> VaultKV | None:
@@ -99,7 +100,7 @@ class BucketCommands:
         async with self._name_lock(bucket):
             if await self._s3.call("HEAD bucket", self._rgw.head_bucket, bucket):
                 raise BucketError("ALREADY_EXISTS", f"bucket {bucket!r} already exists")
-            # the claim: exactly one creator of this name, across replicas (see module doc)
+            # the claim: exactly one creator of this name, across replicas (see the package doc)
             claim = await self._credentials.claim(vault, bucket, leftover_hint)
             # MADE: this call made it; MAYBE: a call to make it ran, its outcome unknown
             made = {"secret": MADE, "user": "", "bucket": ""}
