@@ -44,7 +44,9 @@ async def run_replica(settings: Settings, stop: asyncio.Event, *,
     """``serve``'s exit status: 0 when stopped (also while starting), 2 on invalid settings
     (an address it cannot listen on included), 1 when the replica could not start; the reason
     goes to stderr, never as a traceback."""
-    from handlers.app.server import READY_TIMEOUT_S, ListenError, StartError, serve
+    from handlers.app.serve import serve
+    from handlers.app.server import READY_TIMEOUT_S
+    from handlers.app.start_errors import ListenError, StartError
 
     try:
         await serve(settings, stop,
@@ -132,7 +134,8 @@ def _dev_settings(args: argparse.Namespace) -> Settings:
 async def _dev(args: argparse.Namespace) -> int:
     from eventsource.racing import race
     from handlers.app.looplag import tune_gc
-    from handlers.app.server import ListenError, Scheduler, StartError
+    from handlers.app.server import Scheduler
+    from handlers.app.start_errors import ListenError, StartError
     from ops.devstack import EtcdProcess, RedisProcess, ServerStartError
     from ops.sim import Fleet, NodeBehaviour
 

@@ -9,7 +9,8 @@ import pytest
 
 from eventsource.errors import NotLeader, Unavailable
 from eventsource.etcd import Delete
-from handlers.app.server import Scheduler, StartError
+from handlers.app.server import Scheduler
+from handlers.app.start_errors import StartError
 from handlers.cluster.leadership import KEY_CHECK_S
 from tests.fixtures.harness import make_settings, running_scheduler
 from tests.fixtures.waiting import wait_for

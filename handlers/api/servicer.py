@@ -27,8 +27,8 @@ from handlers.nodes.commands import NodeCommands
 from handlers.nodes.usage import UsageSink
 from handlers.settings.config import Settings
 from handlers.specs.validation import InvalidSpec, check_label, parse_apply, spec_size, validate_id
-from handlers.storage.buckets import (
-    BucketCommands,
+from handlers.storage.buckets.commands import BucketCommands
+from handlers.storage.buckets.model import (
     BucketError,
     access_message,
     bucket_view,

@@ -4,21 +4,19 @@ Everything the process runs is built here and passed down (no module-level clien
 registries). Every long-running task is started through ``TaskOwner`` and cancelled and awaited at
 shutdown, in this order: stop accepting RPCs -> stop leader loops and the relay -> revoke leases
 -> stop projections and the tailer -> close agent channels -> close Redis -> close etcd.
+
+Beside it: the owned tasks (``tasks``), the gRPC server's life from bind to stop
+(``grpc_endpoint``), the errors a start fails with (``start_errors``), and the run of one
+replica as a process (``serve``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
-import socket
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from typing import Any
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from eventsource.clock import Clock, SystemClock
 from eventsource.commit import Committer
@@ -30,114 +28,37 @@ from eventsource.metrics import Metrics
 from eventsource.racing import race
 from eventsource.stream import RedisEventLog, StreamTailer, redis_url, writer_client
 from handlers.agents.pool import AgentPool, TlsFiles
-from handlers.api.access import AgentRoleInterceptor
 from handlers.api.events import EventService
 from handlers.api.explain import PlacementExplainer
 from handlers.api.http import HttpEndpoint
-from handlers.api.metrics import ServerMetrics
 from handlers.api.servicer import ControlServicer
+from handlers.app.grpc_endpoint import GrpcEndpoint
 from handlers.app.looplag import GcPauses, probe_loop_lag
-from handlers.cluster.certificates import CertManager, load_cert_config
+from handlers.app.start_errors import StartError, listen_error
+from handlers.app.tasks import TaskOwner
+from handlers.cluster.certificates import build_cert_manager
 from handlers.cluster.dns import DnsRegistration, advertise_ip
 from handlers.cluster.leadership import LeaderGate
 from handlers.cluster.modes import DEGRADED, ModeState
 from handlers.cluster.supervisor import ModeSupervisor
-from handlers.cluster.tls import ServerCertificates
 from handlers.cluster.topology import TopologyMismatch, settle_topology
 from handlers.nodes.commands import NodeCommands
 from handlers.nodes.usage import UsageSink, heartbeat_key_prefix
 from handlers.placement.batcher import PlacementBatcher
 from handlers.placement.placer import Placer
 from handlers.settings.config import Settings
-from handlers.storage.buckets import build_buckets
+from handlers.storage.buckets.build import build_buckets
 from handlers.storage.disks import DiskCommands
-from handlers.vault.client import VaultKV
 from handlers.workloads.commands import Relocator, WorkloadCommands
 from handlers.workloads.dispatch import Dispatcher
 from handlers.workloads.persistence import managed_volumes_of
 from handlers.writes.cas import StateWriter
 from projections.cluster import ClusterProjection
-from proto.persys.control.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger("persys.server")
 
-#: How many calls gRPC's core may hold before this process has taken them off its queue.
-#: Why: grpc-core's defaults (1,000, and 3,000 as a hard limit) cancel calls at random past
-#: the first: a burst of 2,000 one-second calls at a grpc.aio server lost 160 of them as
-#: CANCELLED (never seen by a handler). At 5,000 nodes such bursts are normal: every agent
-#: re-registers after a failover, and a busy loop lets heartbeats pile up. Each cancelled
-#: heartbeat made its agent re-register, which piled up more calls: in a 5,000-node bench
-#: with one replica, 16,064 of 35,328 failed registrations were CANCELLED. With room
-#: for several calls per node of a 5,000+ node fleet, the burst waits its turn instead (5,000
-#: calls at once: none lost). The callers' deadlines still bound the wait, and so does
-#: grpc-core's own limit on how long a call may wait unclaimed.
-MAX_PENDING_CALLS = 32_768
-SERVER_OPTIONS = (
-    ("grpc.max_receive_message_length", 4 * 1024 * 1024),
-    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-    ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
-    # requests are small (a heartbeat is a few KB): bandwidth-delay probing only adds pings;
-    # off, a 3 KB call cost the server 10-18% less CPU with 1,000 connected clients
-    ("grpc.http2.bdp_probe", 0),
-    # grpc sets SO_REUSEPORT by default, so a server on a port another process already serves
-    # binds it too (two grpc.aio servers on one port both bound, measured) and the kernel
-    # splits new connections between them: a second scheduler on 8085 must fail instead
-    ("grpc.so_reuseport", 0),
-)
-
-
 #: How long a start waits for the projections to load from etcd before it gives up.
 READY_TIMEOUT_S = 60.0
-
-
-class StartError(RuntimeError):
-    """The replica could not start; the message says what did not answer or could not be used."""
-
-
-class ListenError(StartError):
-    """A listener could not be opened: ``variable`` names the setting to change, ``detail``
-    says what went wrong (the message is both)."""
-
-    def __init__(self, *, variable: str, detail: str) -> None:
-        super().__init__(f"{variable}: {detail}")
-        self.variable = variable
-        self.detail = detail
-
-
-def _bind_problem(host: str, port: int) -> OSError | None:
-    """Why ``host:port`` cannot be bound, found by trying (grpc's own error says only "Failed
-    to bind"); None when it can be bound now."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return exc
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                return exc
-    return None
-
-
-def listen_error(what: str, host: str, port: int, problem: OSError | None, *, host_var: str,
-                 port_var: str) -> ListenError:
-    """The error for a listener that could not be opened, naming the setting at fault."""
-    where = f"{host}:{port}"
-    if isinstance(problem, socket.gaierror):
-        variable, why = host_var, f"{host!r} is not an address ({problem.strerror})"
-    elif problem is not None and problem.errno == errno.EADDRINUSE:
-        variable, why = port_var, f"port {port} is in use by another process"
-    elif problem is not None and problem.errno == errno.EADDRNOTAVAIL:
-        variable, why = host_var, f"{host} is not an address of this machine"
-    elif problem is not None and problem.errno == errno.EACCES:
-        variable, why = port_var, f"port {port} needs privileges this process does not have"
-    else:
-        variable = f"{host_var}/{port_var}"
-        why = problem.strerror if problem is not None and problem.strerror else "bind failed"
-    return ListenError(variable=variable, detail=f"the {what} cannot listen on {where}: {why}")
 
 
 async def _unless_stopped(stop: asyncio.Event | None, work: Coroutine[Any, Any, Any]) -> bool:
@@ -147,60 +68,6 @@ async def _unless_stopped(stop: asyncio.Event | None, work: Coroutine[Any, Any, 
         return True
     finished, _ = await race(work, stop)
     return finished
-
-
-def awaiting(task: asyncio.Task[Any]) -> str:
-    """Where a task waits: its chain of awaited coroutines, innermost last (``get_stack``
-    shows only the outermost frame of a suspended task, which names nothing useful)."""
-    steps: list[str] = []
-    current: Any = task.get_coro()
-    while current is not None and len(steps) < 32:
-        frame = getattr(current, "cr_frame", None) or getattr(current, "ag_frame", None)
-        if frame is not None:
-            steps.append(f"{frame.f_code.co_qualname} "
-                         f"({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
-        nxt = getattr(current, "cr_await", None) or getattr(current, "ag_await", None)
-        if nxt is None and frame is None:
-            steps.append(repr(current)[:120])  # a future, a task or a foreign awaitable
-        current = nxt
-    return " > ".join(steps) or "?"
-
-
-class TaskOwner:
-    """Owns named eternal tasks: a failure is logged and the task restarted with backoff."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-
-    def start(self, name: str, factory: Any) -> None:
-        self._tasks[name] = asyncio.get_running_loop().create_task(
-            self._guard(name, factory), name=name)
-
-    async def _guard(self, name: str, factory: Any) -> None:
-        backoff = 0.5
-        while True:
-            try:
-                coro: Coroutine[Any, Any, None] = factory()
-                await coro
-                log.warning("task %s returned; restarting", name)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("task %s failed; restarting in %.1fs", name, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
-
-    async def stop(self, *names: str, timeout: float = 10.0) -> None:
-        """Cancel and await the named tasks (all by default); never wait past ``timeout``."""
-        targets = [self._tasks.pop(n) for n in (names or list(self._tasks)) if n in self._tasks]
-        for task in targets:
-            task.cancel()
-        if not targets:
-            return
-        _, pending = await asyncio.wait(targets, timeout=timeout)
-        for task in pending:
-            log.error("task %s did not stop within %.0fs; abandoning it; it waits in %s",
-                      task.get_name(), timeout, awaiting(task))
 
 
 class Scheduler:
@@ -292,15 +159,16 @@ class Scheduler:
         self.http = HttpEndpoint(self.metrics.registry, self.health)
         self.tasks = TaskOwner()
         self.gc_pauses = GcPauses(self.metrics.gc_pause)
-        self.grpc_server: grpc.aio.Server | None = None
-        #: the gRPC server between taking its port and serving (``start``)
-        self._grpc_bound: grpc.aio.Server | None = None
+        self.grpc = GrpcEndpoint(settings, self.metrics, self.servicer)
         self.dns: DnsRegistration | None = None
-        self.grpc_port = 0
-        self.health_servicer = health.aio.HealthServicer()
         from handlers.reconcile.loops import register_loops
 
         register_loops(self)
+
+    @property
+    def grpc_port(self) -> int:
+        """The gRPC port taken (the system's choice for ``GRPC_PORT=0``); 0 before."""
+        return self.grpc.port
 
     def _volume_users(self, driver: str, name: str) -> list[str]:
         """The workloads whose specs hold a managed volume ``name`` of ``driver``."""
@@ -354,7 +222,7 @@ class Scheduler:
             started = await self._start_listening(stop, ready_timeout)
         finally:
             if not started:
-                await self._close_unstarted_grpc()
+                await self.grpc.close_unstarted()
 
     async def _start_listening(self, stop: asyncio.Event | None, ready_timeout: float) -> bool:
         """The rest of ``start`` once the ports are taken; False when ``stop`` ended it."""
@@ -381,7 +249,7 @@ class Scheduler:
             self.tasks.start("usage", self.usage.run)
         self.tasks.start("loop-lag", lambda: probe_loop_lag(self.metrics.event_loop_lag))
         self.gc_pauses.install()
-        await self._start_grpc()
+        await self.grpc.serve()
         await self.http.start_serving()
         if self.settings.dns_enabled:
             port = self.settings.advertise_port
@@ -411,35 +279,15 @@ class Scheduler:
     async def _open_listeners(self) -> None:
         """Take the gRPC and HTTP ports, serving neither yet."""
         s = self.settings
-        server = self._build_grpc()
-        address = f"{s.grpc_addr}:{s.grpc_port}"
-        try:
-            if s.insecure:
-                port = server.add_insecure_port(address)
-            else:
-                creds = ServerCertificates(s.tls_ca, s.tls_cert, s.tls_key).credentials()
-                port = server.add_secure_port(address, creds)
-        except RuntimeError:  # grpc says only "Failed to bind to address"
-            raise listen_error("gRPC server", s.grpc_addr, s.grpc_port,
-                               _bind_problem(s.grpc_addr, s.grpc_port),
-                               host_var="PERSYS_GRPC_ADDR", port_var="GRPC_PORT") from None
-        self._grpc_bound, self.grpc_port = server, port
+        self.grpc.bind()
         host = s.metrics_addr or s.grpc_addr
         try:
             await self.http.start(host, s.metrics_port, serving=False)
         except OSError as exc:  # socket.gaierror too
-            await self._close_unstarted_grpc()
+            await self.grpc.close_unstarted()
             raise listen_error("metrics endpoint", host, s.metrics_port, exc,
                                host_var="SCHEDULER_METRICS_ADDR" if s.metrics_addr
                                else "PERSYS_GRPC_ADDR", port_var="METRICS_PORT") from None
-
-    async def _close_unstarted_grpc(self) -> None:
-        """Give back a port taken by ``_open_listeners`` (a grpc server that never started
-        keeps its socket open through ``stop``: started and stopped, it closes it)."""
-        server, self._grpc_bound = self._grpc_bound, None
-        if server is not None:
-            await server.start()
-            await server.stop(None)
 
     async def _first_mode_probe(self) -> None:
         try:
@@ -482,32 +330,6 @@ class Scheduler:
             renew_deadline=self.settings.leader_renew_deadline_s,
         )
 
-    def _build_grpc(self) -> grpc.aio.Server:
-        interceptors: list[grpc.aio.ServerInterceptor] = [
-            ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration)]
-        if not self.settings.insecure:
-            refused = self.metrics.calls_refused
-            interceptors.append(AgentRoleInterceptor(
-                self.settings.agent_cert_names, lambda method: refused.labels(method).inc(),
-                self.settings.operator_cert_names))
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-        control_pb2_grpc.add_AgentControlServicer_to_server(  # type: ignore[no-untyped-call]
-            self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
-        service_name = control_pb2.DESCRIPTOR.services_by_name["AgentControl"].full_name
-        reflection.enable_server_reflection(
-            (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        return server
-
-    async def _start_grpc(self) -> None:
-        server, self._grpc_bound = self._grpc_bound, None
-        assert server is not None, "_open_listeners first"
-        service_name = control_pb2.DESCRIPTOR.services_by_name["AgentControl"].full_name
-        await server.start()
-        await self.health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
-        self.grpc_server = server
-
     async def stop(self) -> None:
         """The shutdown order of the module docstring; every step has a deadline."""
 
@@ -519,8 +341,8 @@ class Scheduler:
                           timeout)
 
         self.gc_pauses.remove()
-        if self.grpc_server is not None:
-            await step("grpc", self._stop_grpc())
+        if self.grpc.server is not None:
+            await step("grpc", self.grpc.stop())
         await step("step-down", self.leader.step_down())
         await self.tasks.stop("leader", "relay", "dns")
         if self.dns is not None:
@@ -545,40 +367,3 @@ class Scheduler:
         await step("http", self.http.stop())
         await step("committer", self.committer.aclose())
         self.etcd.close()
-
-    async def _stop_grpc(self) -> None:
-        assert self.grpc_server is not None
-        await self.health_servicer.enter_graceful_shutdown()
-        await self.grpc_server.stop(grace=2.0)
-        self.grpc_server = None
-
-
-def build_cert_manager(settings: Settings, env: Mapping[str, str],
-                       metrics: Metrics) -> CertManager | None:
-    """The Vault PKI certificate manager when ``PERSYS_VAULT_ENABLED`` and TLS is used.
-
-    Raises:
-        ConfigError: the Vault settings are incomplete or invalid (naming the variable).
-    """
-    if not settings.vault_enabled or (settings.insecure and not settings.agent_tls_enabled):
-        return None
-    config = load_cert_config(env, cert_path=settings.tls_cert, key_path=settings.tls_key,
-                              ca_path=settings.tls_ca, advertise_ip=settings.advertise_ip)
-    log.info("certificates from vault pki %s/issue/%s at %s for %s", config.mount, config.role,
-             config.vault.addr, config.service_name)
-    return CertManager(config, VaultKV(config.vault, workers=1), metrics)
-
-
-async def serve(settings: Settings, stop: asyncio.Event, *,
-                ready_timeout: float = READY_TIMEOUT_S) -> None:
-    """Run one replica until ``stop`` is set (also while it starts).
-
-    Raises:
-        StartError: it could not start (see ``Scheduler.start``).
-    """
-    scheduler = Scheduler(settings)
-    try:
-        await scheduler.start(stop, ready_timeout=ready_timeout)
-        await stop.wait()
-    finally:
-        await scheduler.stop()

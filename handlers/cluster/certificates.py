@@ -44,10 +44,11 @@ from eventsource.metrics import Metrics
 from eventsource.racing import race
 from handlers.cluster.tls import unusable
 from handlers.settings.buckets import DEFAULT_APPROLE_MOUNT, VaultConfig
-from handlers.settings.config import ConfigError, parse_duration
+from handlers.settings.config import ConfigError, Settings, parse_duration
 from handlers.vault.client import VaultError, VaultKV
 
-__all__ = ["CertConfig", "CertManager", "IssuedCert", "load_cert_config", "rotate_at"]
+__all__ = ["CertConfig", "CertManager", "IssuedCert", "build_cert_manager", "load_cert_config",
+           "rotate_at"]
 
 log = logging.getLogger("persys.certs")
 
@@ -346,6 +347,21 @@ class CertManager:
         for temp, final in staged:
             os.replace(temp, final)
 
+
+def build_cert_manager(settings: Settings, env: Mapping[str, str],
+                       metrics: Metrics) -> CertManager | None:
+    """The Vault PKI certificate manager when ``PERSYS_VAULT_ENABLED`` and TLS is used.
+
+    Raises:
+        ConfigError: the Vault settings are incomplete or invalid (naming the variable).
+    """
+    if not settings.vault_enabled or (settings.insecure and not settings.agent_tls_enabled):
+        return None
+    config = load_cert_config(env, cert_path=settings.tls_cert, key_path=settings.tls_key,
+                              ca_path=settings.tls_ca, advertise_ip=settings.advertise_ip)
+    log.info("certificates from vault pki %s/issue/%s at %s for %s", config.mount, config.role,
+             config.vault.addr, config.service_name)
+    return CertManager(config, VaultKV(config.vault, workers=1), metrics)
 
 
 async def _unless(stop: asyncio.Event | None, work: Coroutine[Any, Any, T]) -> T | None:
