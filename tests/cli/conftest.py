@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from proto.persys.control.v1 import control_pb2 as pb
 from tests.cli.stack import DevStack
 from tests.fixtures.waiting import wait_for_sync
-from proto.persys.control.v1 import control_pb2 as pb
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,8 @@ class DevStack:
 
 
 def persys(*args: str, server: str | None = None, stdin: str | None = None,
-           env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+           env: dict[str, str] | None = None,
+           timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run the ``persys`` executable; the config file is kept out of the user's home."""
     full_env = {**os.environ, "NO_COLOR": "1", **(env or {})}
     full_env.setdefault("PERSYS_CONFIG", os.devnull)

@@ -61,11 +61,13 @@ def test_nodes_and_node_match_list_nodes(stack: DevStack) -> None:
     assert table.returncode == 0
     assert all(n.node_id in table.stdout for n in listed)
     wide = persys("nodes", "-o", "wide", server=stack.server).stdout
-    assert "ENDPOINT" in wide and listed[0].grpc_endpoint in wide
+    assert "ENDPOINT" in wide
+    assert listed[0].grpc_endpoint in wide
     one = persys_json("node", listed[0].node_id, server=stack.server)
     assert one["node"]["node_id"] == listed[0].node_id
     missing = persys("node", "no-such-node", server=stack.server)
-    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    assert missing.returncode == 1
+    assert "NOT_FOUND" in missing.stderr
 
 
 def test_apply_shows_where_and_why_and_prints_an_appliable_spec(stack: DevStack) -> None:
@@ -98,14 +100,16 @@ def test_apply_shows_where_and_why_and_prints_an_appliable_spec(stack: DevStack)
     assert changed.returncode == 0, changed.stderr
     assert _get(stack, "cli-web").workload.revision_id != got.workload.revision_id
     human = persys("workload", "cli-web", server=stack.server).stdout
-    assert "Placement:" in human and got.workload.assigned_node_id in human
+    assert "Placement:" in human
+    assert got.workload.assigned_node_id in human
 
 
 def test_dry_run_says_where_and_stores_nothing(stack: DevStack) -> None:
     spec = "workload_id: cli-dry\nspec: {type: container, container: {image: busybox}}\n"
     done = persys("apply", "--dry-run", "-f", "-", stdin=spec, server=stack.server)
     assert done.returncode == 0, done.stderr
-    assert "would go to node" in done.stdout and "nothing stored" in done.stdout
+    assert "would go to node" in done.stdout
+    assert "nothing stored" in done.stdout
     with pytest.raises(grpc.RpcError) as caught:
         _get(stack, "cli-dry")
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
@@ -119,7 +123,8 @@ def test_explain_counts_refusals_by_reason(stack: DevStack) -> None:
     assert f"0/{stack.nodes} nodes fit: {stack.nodes} insufficient cpu" in done.stdout
     answer = json.loads(
         persys("explain", "-f", "-", "-o", "json", stdin=huge, server=stack.server).stdout)
-    assert answer["nodes_fit"] == 0 and answer["chosen_node_id"] == ""
+    assert answer["nodes_fit"] == 0
+    assert answer["chosen_node_id"] == ""
     assert answer["refusals"] == [{"reason": "insufficient cpu", "nodes": stack.nodes}]
     assert len(answer["refusal_sample"]) == stack.nodes
     dry = persys("apply", "--dry-run", "-f", "-", stdin=huge, server=stack.server)
@@ -131,7 +136,8 @@ def test_explain_counts_refusals_by_reason(stack: DevStack) -> None:
     parts = placed["candidates"][0]
     assert {"cpu_headroom", "memory_headroom", "spread", "tie_break"} <= set(parts)
     unknown = persys("explain", "no-such-workload", server=stack.server)
-    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+    assert unknown.returncode == 1
+    assert "NOT_FOUND" in unknown.stderr
 
 
 def test_stop_start_retry_delete(stack: DevStack) -> None:
@@ -144,7 +150,8 @@ def test_stop_start_retry_delete(stack: DevStack) -> None:
     gone = persys("retry", "no-such-workload", server=stack.server)
     assert gone.returncode == 1
     done = persys("delete", "cli-api", server=stack.server)
-    assert done.returncode == 0 and "cli-api deleted" in done.stdout
+    assert done.returncode == 0
+    assert "cli-api deleted" in done.stdout
 
     def deleted() -> bool:
         try:
@@ -173,7 +180,8 @@ def test_node_controls(stack: DevStack) -> None:
         assert persys("label", target, "zone-", server=stack.server).returncode == 0
         assert "zone" not in node(target).labels
         bad = persys("taint", target, "gpu=yes:Sometimes", server=stack.server)
-        assert bad.returncode == 2 and "Effect" in bad.stderr
+        assert bad.returncode == 2
+        assert "Effect" in bad.stderr
         drained = persys("drain", target, "--wait", server=stack.server)
         assert drained.returncode == 0, drained.stderr
         assert f"node {target} drained: " in drained.stdout
@@ -195,14 +203,16 @@ def test_summary_matches_get_cluster_summary(stack: DevStack) -> None:
 def test_events_list_filters_and_cursor(stack: DevStack) -> None:
     persys("apply", "-f", "-", stdin=WEB, server=stack.server)
     joined = persys_json("events", "--type", "NodeJoined", server=stack.server)["events"]
-    assert len(joined) == stack.nodes and {e["type"] for e in joined} == {"NodeJoined"}
+    assert len(joined) == stack.nodes
+    assert {e["type"] for e in joined} == {"NodeJoined"}
     first = joined[0]
     after = persys_json("events", "--after", first["id"], "--type", "NodeJoined",
                         server=stack.server)["events"]
     assert [e["id"] for e in after] == [e["id"] for e in joined[1:]]
     node_id = first["node_id"]
     mine = persys_json("events", "--node", node_id, server=stack.server)["events"]
-    assert mine and all(e["node_id"] == node_id or e["type"] == "EventsGap" for e in mine)
+    assert mine
+    assert all(e["node_id"] == node_id or e["type"] == "EventsGap" for e in mine)
     table = persys("events", "--workload", "cli-web", server=stack.server).stdout
     assert "WorkloadScheduled" in table
 
@@ -211,7 +221,8 @@ def test_disks(stack: DevStack) -> None:
     node_id = persys_json("nodes", server=stack.server)["nodes"][0]["node_id"]
     made = persys_json("disks", "create", "cli-disk", "--size-gb", "5", "--node", node_id,
                        server=stack.server)
-    assert made["name"] == "cli-disk" and made["size_gb"] == 5
+    assert made["name"] == "cli-disk"
+    assert made["size_gb"] == 5
     listed = persys_json("disks", "list", server=stack.server)["disks"]
     assert made["id"] in {d["id"] for d in listed}
     assert persys_json("disks", "get", made["id"], server=stack.server)["id"] == made["id"]
@@ -222,7 +233,8 @@ def test_disks(stack: DevStack) -> None:
 def test_buckets_without_rgw_are_refused_with_the_reason(stack: DevStack) -> None:
     done = persys("buckets", "list", server=stack.server)
     assert done.returncode == 1
-    assert "FAILED_PRECONDITION" in done.stderr and "Traceback" not in done.stderr
+    assert "FAILED_PRECONDITION" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_unreachable_server_exits_3_naming_it() -> None:
@@ -240,9 +252,12 @@ def test_malformed_file_exits_2_naming_the_line(stack: DevStack, tmp_path) -> No
     assert f"{bad}:5" in done.stderr or f"{bad}:4" in done.stderr
     unknown = persys("apply", "-f", "-", stdin="workload_id: x\nspec: {colour: red}\n",
                      server=stack.server)
-    assert unknown.returncode == 2 and "<stdin>:1" in unknown.stderr and "colour" in unknown.stderr
+    assert unknown.returncode == 2
+    assert "<stdin>:1" in unknown.stderr
+    assert "colour" in unknown.stderr
     second = persys("apply", "-f", "-", stdin=WEB + "---\n- just a list\n", server=stack.server)
-    assert second.returncode == 2 and "<stdin>:17" in second.stderr
+    assert second.returncode == 2
+    assert "<stdin>:17" in second.stderr
     usage = persys("nodes", "--bogus", server=stack.server)
     assert usage.returncode == 2
 
@@ -251,7 +266,8 @@ def test_refused_apply_exits_1_with_the_reason(stack: DevStack) -> None:
     done = persys("apply", "-f", "-", stdin="workload_id: x y\nspec: {type: container, "
                   "container: {image: busybox}}\n", server=stack.server)
     assert done.returncode == 1
-    assert "INVALID_SPEC" in done.stderr and "workload_id" in done.stderr
+    assert "INVALID_SPEC" in done.stderr
+    assert "workload_id" in done.stderr
 
 
 def test_contexts_pick_the_server(stack: DevStack, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -265,11 +281,13 @@ def test_contexts_pick_the_server(stack: DevStack, tmp_path) -> None:  # type: i
     assert persys("summary", env=env_without_server).returncode == 0
     assert persys("--context", "nowhere", "summary", env=env_without_server).returncode == 3
     view = json.loads(persys("config", "view", "-o", "json", env=env).stdout)
-    assert view["current-context"] == "dev" and set(view["contexts"]) == {"dev", "nowhere"}
+    assert view["current-context"] == "dev"
+    assert set(view["contexts"]) == {"dev", "nowhere"}
     assert persys("config", "use", "missing", env=env).returncode == 2
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_shell_completion(shell: str) -> None:
     done = persys("completion", shell)
-    assert done.returncode == 0 and "_PERSYS_COMPLETE" in done.stdout
+    assert done.returncode == 0
+    assert "_PERSYS_COMPLETE" in done.stdout
