@@ -79,16 +79,9 @@ from eventsource.events import Event, entry_data
 from eventsource.keys import KeyLayout, prefix_end
 from eventsource.metrics import Metrics
 from eventsource.racing import race
-from eventsource.stream import (
-    ZERO_ID,
-    RedisEventLog,
-    RedisUnavailable,
-    StreamIdConflict,
-    StreamWrongType,
-    format_id,
-    id_key,
-    next_id,
-)
+from eventsource.stream.entries import ZERO_ID, format_id, id_key, next_id
+from eventsource.stream.errors import RedisUnavailable, StreamIdConflict, StreamWrongType
+from eventsource.stream.eventlog import RedisEventLog
 from eventsource.watch import WatchBatch, WatchStream
 
 log = logging.getLogger("persys.relay")

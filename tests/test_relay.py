@@ -33,7 +33,10 @@ from eventsource.relay import (
     RelayMark,
     plan_append,
 )
-from eventsource.stream import ZERO_ID, RedisEventLog, RedisUnavailable, id_key, writer_client
+from eventsource.stream.clients import writer_client
+from eventsource.stream.entries import ZERO_ID, id_key
+from eventsource.stream.errors import RedisUnavailable
+from eventsource.stream.eventlog import RedisEventLog
 from tests.fixtures.waiting import wait_for
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)

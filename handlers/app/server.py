@@ -28,7 +28,9 @@ from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.racing import race
-from eventsource.stream import RedisEventLog, StreamTailer, redis_url, writer_client
+from eventsource.stream.clients import redis_url, writer_client
+from eventsource.stream.eventlog import RedisEventLog
+from eventsource.stream.tailer import StreamTailer
 from handlers.agents.pool import AgentPool, TlsFiles
 from handlers.api.access import AgentRoleInterceptor
 from handlers.api.events import EventService
