@@ -468,7 +468,7 @@ class Scheduler:
 
     def _build_relay(self) -> Any:
         try:
-            from eventsource.relay import Relay
+            from eventsource.relay.lifecycle import Relay
         except ImportError:
             log.warning("event relay not available: events stay in the etcd outbox")
             return None
