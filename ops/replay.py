@@ -24,7 +24,9 @@ from eventsource.errors import StoreError
 from eventsource.etcd import AsyncEtcd
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
-from eventsource.stream import RedisEventLog, StreamError, redis_url, writer_client
+from eventsource.stream.clients import redis_url, writer_client
+from eventsource.stream.errors import StreamError
+from eventsource.stream.eventlog import RedisEventLog
 from handlers.settings.config import ConfigError, etcd_tls_from_env
 from projections.cluster import ClusterProjection
 from projections.event_views import EventView

@@ -17,7 +17,7 @@ from eventsource.election import Election, Leadership, Session, leader_key, obse
 from eventsource.errors import Conflict, LeaseLost
 from eventsource.etcd import AsyncEtcd, Put
 from eventsource.keys import KeyLayout
-from eventsource.stream import reraise_swallowed_cancel
+from eventsource.stream.clients import reraise_swallowed_cancel
 from handlers.cluster.topology import Topology, settle_topology
 
 TTL = 2

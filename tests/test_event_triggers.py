@@ -28,7 +28,7 @@ import pytest
 from eventsource.etcd import AsyncEtcd, Put
 from eventsource.events import CATALOGUE, EVENT_TYPES, parse_rfc3339, parse_stream_id
 from eventsource.keys import KeyLayout
-from eventsource.stream import writer_client
+from eventsource.stream.clients import writer_client
 from handlers.app.server import Scheduler
 from handlers.reconcile.planner import REAPPLY
 from handlers.settings.config import Settings

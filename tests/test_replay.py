@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from eventsource.stream import RedisEventLog, redis_url, writer_client
+from eventsource.stream.clients import redis_url, writer_client
+from eventsource.stream.eventlog import RedisEventLog
 from ops.cli import build_parser
 from ops.replay import (
     check_invariants,

@@ -16,16 +16,16 @@ import pytest
 import redis.asyncio as aioredis
 
 from eventsource.events import Event, entry_data
-from eventsource.stream import (
-    ZERO_ID,
-    RedisEventLog,
+from eventsource.stream.clients import writer_client
+from eventsource.stream.entries import ZERO_ID
+from eventsource.stream.errors import (
     RedisUnavailable,
     StreamIdConflict,
     StreamReset,
-    StreamTailer,
     SubscriptionOverflow,
-    writer_client,
 )
+from eventsource.stream.eventlog import RedisEventLog
+from eventsource.stream.tailer import StreamTailer
 from handlers.api import events as events_api
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.waiting import wait_for

@@ -28,18 +28,16 @@ from dataclasses import dataclass
 import grpc
 
 from eventsource.events import StreamEntry, parse_stream_id
-from eventsource.stream import (
-    ZERO_ID,
-    RedisEventLog,
+from eventsource.stream.entries import ZERO_ID, id_key
+from eventsource.stream.errors import (
     RedisUnavailable,
     StreamError,
     StreamReset,
-    StreamTailer,
-    Subscription,
     SubscriptionClosed,
     SubscriptionOverflow,
-    id_key,
 )
+from eventsource.stream.eventlog import RedisEventLog
+from eventsource.stream.tailer import StreamTailer, Subscription
 from handlers.api.convert import event_view
 from projections.event_views import ViewFilter as EventFilter
 from proto.persys.control.v1 import control_pb2

@@ -26,7 +26,9 @@ from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.racing import race
-from eventsource.stream import RedisEventLog, StreamTailer, redis_url, writer_client
+from eventsource.stream.clients import redis_url, writer_client
+from eventsource.stream.eventlog import RedisEventLog
+from eventsource.stream.tailer import StreamTailer
 from handlers.agents.pool import AgentPool, TlsFiles
 from handlers.api.events import EventService
 from handlers.api.explain import PlacementExplainer
@@ -316,7 +318,7 @@ class Scheduler:
 
     def _build_relay(self) -> Any:
         try:
-            from eventsource.relay import Relay
+            from eventsource.relay.lifecycle import Relay
         except ImportError:
             log.warning("event relay not available: events stay in the etcd outbox")
             return None

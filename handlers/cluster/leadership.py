@@ -35,7 +35,7 @@ from eventsource.etcd import SESSION, AsyncEtcd, Compare, Put
 from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
-from eventsource.stream import reraise_swallowed_cancel
+from eventsource.stream.clients import reraise_swallowed_cancel
 from handlers.cluster.topology import Topology, TopologyMismatch, settle_topology
 
 log = logging.getLogger("persys.leader")

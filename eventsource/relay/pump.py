@@ -1,0 +1,237 @@
+"""The pump: moves the outbox to the stream, in commit order, while the relay leads.
+
+Why apart: this is the relay's work proper. Each pass takes over (``takeover``), lists the
+outbox at revision R (every page pinned) and relays it sorted by ``(mod_revision, seq)``, then
+follows a NODELETE watch from R+1 (re-list after compaction, resume after a dropped watch).
+Each batch is planned (``plan``), checked against the renew deadline (etcd cannot fence an
+XADD), appended in one pipelined XADD with explicit ids, and its marks handed to the marker.
+Store failures start a new pass; Redis down leaves the outbox to the pruning's overflow check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from eventsource.clock import Clock
+from eventsource.election import Leadership
+from eventsource.errors import (
+    Compacted,
+    Conflict,
+    LeaseLost,
+    NotLeader,
+    StoreError,
+    Unavailable,
+    WatchCanceled,
+)
+from eventsource.etcd import AsyncEtcd
+from eventsource.keys import KeyLayout
+from eventsource.metrics import Metrics
+from eventsource.relay.marker import Marker
+from eventsource.relay.outbox import OutboxRecord, parse_all
+from eventsource.relay.plan import plan_append
+from eventsource.relay.pruning import OutboxPruner
+from eventsource.relay.takeover import take_over
+from eventsource.relay.view import StreamView
+from eventsource.stream.errors import RedisUnavailable, StreamIdConflict, StreamWrongType
+from eventsource.stream.eventlog import RedisEventLog
+from eventsource.watch import WatchBatch, WatchStream
+
+log = logging.getLogger("persys.relay")
+
+#: test hook: awaited after each XADD batch with its stream ids
+AfterAppend = Callable[[Sequence[str]], Awaitable[None]]
+
+
+class OutboxPump:
+    """Relays the outbox to the stream for one leadership at a time (``run``)."""
+
+    def __init__(
+        self,
+        etcd: AsyncEtcd,
+        layout: KeyLayout,
+        stream: RedisEventLog,
+        metrics: Metrics,
+        clock: Clock,
+        view: StreamView,
+        marker: Marker,
+        pruner: OutboxPruner,
+        *,
+        batch: int,
+        max_entries: int,
+        renew_deadline: float,
+        retry_min: float,
+        retry_max: float,
+        after_append: AfterAppend | None,
+    ) -> None:
+        self._etcd = etcd
+        self._layout = layout
+        self._stream = stream
+        self._metrics = metrics
+        self._clock = clock
+        self._view = view
+        self._marker = marker
+        self._pruner = pruner
+        self._batch = batch
+        self._max_entries = max_entries
+        self._renew_deadline = renew_deadline
+        self._retry_min = retry_min
+        self._retry_max = retry_max
+        #: test hook: awaited after each XADD batch (the batches before it are marked by then),
+        #: before the etcd txn that records it
+        self._after_append = after_append
+
+    async def run(self, lead: Leadership) -> None:
+        """Relay until cancelled or the leadership is lost (``LeaseLost``, ``NotLeader``)."""
+        delay = self._retry_min
+        while True:
+            try:
+                try:
+                    await take_over(self._view, stream=self._stream, etcd=self._etcd,
+                                    mark_key=self._layout.relay_mark, metrics=self._metrics,
+                                    batch=self._batch)
+                    while True:
+                        records, poison, revision = await self._list_outbox()
+                        await self._relay(lead, records, poison, caught_up=revision)
+                        delay = self._retry_min
+                        await self._follow(lead, revision)
+                except BaseException as exc:
+                    # whatever ended the loop, the mark in flight ends before it is read again
+                    await self._marker.end(lead, cancel=isinstance(exc, asyncio.CancelledError))
+                    raise
+            except RedisUnavailable as exc:
+                log.warning("relay: Redis unavailable, outbox kept: %s", exc)
+                await self._pruner.check_overflow_safely(lead)
+            except (StreamIdConflict, StreamWrongType) as exc:
+                log.warning("relay: stream %s cannot take our ids: %s", self._stream.key, exc)
+                self._view.force_aside = str(exc)
+                delay = self._retry_min
+            except Conflict as exc:
+                log.info("relay: mark changed underneath, re-reading: %s", exc)
+            except (Unavailable, Compacted, WatchCanceled) as exc:
+                log.warning("relay: etcd unavailable: %s", exc)
+            except (LeaseLost, NotLeader):
+                raise
+            except StoreError:
+                log.exception("relay: unexpected store error, retrying")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._retry_max)
+
+    async def _list_outbox(self) -> tuple[list[OutboxRecord], list[str], int]:
+        kvs, revision = await self._etcd.list_prefix(self._layout.outbox_prefix)
+        records, poison = parse_all(kvs)
+        return records, poison, revision
+
+    async def _follow(self, lead: Leadership, listed: int) -> None:
+        """Relay watch batches from ``listed + 1``; return when a re-list is needed."""
+        after = listed
+        while True:
+            watch = WatchStream(
+                self._etcd.base_url, self._layout.outbox_prefix, after + 1, no_delete=True,
+                tls=self._etcd.tls,
+            )
+            try:
+                iterator = aiter(watch)
+                while True:
+                    try:
+                        batch = await self._next_batch(iterator)
+                    except Compacted:
+                        self._metrics.watch_restarts.labels("compacted").inc()
+                        return
+                    except (Unavailable, WatchCanceled) as exc:
+                        reason = "canceled" if isinstance(exc, WatchCanceled) else "unavailable"
+                        self._metrics.watch_restarts.labels(reason).inc()
+                        log.info("relay watch ended (%s), resuming from %d", exc, after + 1)
+                        break
+                    if batch is None:  # the marker failed while the relay waited
+                        self._marker.raise_failure()  # the relay loop re-prepares
+                        continue
+                    # coalesce whatever else already arrived: one append and one etcd txn
+                    # for many commits instead of one round trip per commit
+                    batches = [batch, *watch.take_ready()]
+                    kvs = [e.kv for b in batches for e in b.events if not e.deleted]
+                    records, poison = parse_all(kvs)
+                    newest = max(b.revision for b in batches)
+                    await self._relay(lead, records, poison, caught_up=newest)
+                    after = max(after, newest)
+            finally:
+                watch.close()
+            await asyncio.sleep(self._retry_min)
+
+    async def _next_batch(self, iterator: AsyncIterator[WatchBatch]) -> WatchBatch | None:
+        """The next watch batch, or None when the marker fails first (its error is for the
+        caller to raise outside the watch's own error handling)."""
+        marker = self._marker.task
+        if marker is None or marker.done():
+            if marker is not None and marker.exception() is not None:
+                return None
+            return await anext(iterator)
+        nxt = asyncio.ensure_future(anext(iterator))
+        try:
+            await asyncio.wait({nxt, marker}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done() and marker.exception() is not None:
+                return None
+            return await nxt
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+                await asyncio.wait({nxt})
+
+    async def _relay(
+        self,
+        lead: Leadership,
+        records: list[OutboxRecord],
+        poison: list[str],
+        *,
+        caught_up: int,
+    ) -> None:
+        if poison:
+            await self._marker.settle(lead)
+            await self._pruner.drop_poison(lead, poison)
+        records.sort(key=lambda r: r.order)
+        for start in range(0, len(records), self._batch):
+            chunk = records[start : start + self._batch]
+            last = start + self._batch >= len(records)
+            await self._append(lead, chunk, caught_up=caught_up if last else None)
+        if not records and self._view.gaps:
+            await self._append(lead, [], caught_up=caught_up)
+
+    async def _append(
+        self, lead: Leadership, chunk: list[OutboxRecord], *, caught_up: int | None
+    ) -> None:
+        view = self._view
+        plan = plan_append(
+            chunk,
+            top=view.top,
+            mark=view.mark,
+            gaps=view.gaps,
+            caught_up=caught_up,
+            now=self._clock.now(),
+        )
+        if not plan.entries:
+            return
+        if not lead.held(self._renew_deadline):
+            raise NotLeader("relay lease renewal overdue: not appending")
+        await self._stream.append_batch(plan.entries, maxlen=self._max_entries)
+        view.top = max(view.top, plan.top)
+        view.gaps = plan.gaps_left
+        if chunk:
+            self._metrics.events_relayed.inc(len(chunk))
+            self._metrics.state_store_writes.labels("event").inc(len(chunk))
+            self._observe_delay(chunk)
+        if plan.gap_ids:
+            log.warning("relay: wrote EventsGap %s", ", ".join(plan.gap_ids))
+        if self._after_append is not None:
+            # the test hook sees every earlier batch marked and this one not yet
+            await self._marker.settle(lead)
+            await self._after_append([stream_id for stream_id, _ in plan.entries])
+        await self._marker.owe(lead, chunk, plan.marks, plan.position, plan.gaps_left)
+
+    def _observe_delay(self, appended: list[OutboxRecord]) -> None:
+        """Each event's decision-to-append time (``event_relay_delay_seconds``)."""
+        now_ms = self._clock.now().timestamp() * 1000.0
+        observe = self._metrics.event_relay_delay.observe
+        for record in appended:
+            if record.ts_ms:
+                observe(max(0.0, now_ms - record.ts_ms) / 1000.0)
