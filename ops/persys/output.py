@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -29,11 +30,19 @@ FORMATS = ("table", "wide", "json", "yaml")
 BAR_CELLS = 10
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A reader that stopped reading (``persys nodes | head``) is not a failure."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise SystemExit(0)
+
+
 def console(stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     tty = stream.isatty()
-    return Console(file=stream, width=None if tty else 250, soft_wrap=not tty,
-                   highlight=False)
+    return _Console(file=stream, width=None if tty else 250, soft_wrap=not tty,
+                    highlight=False)
 
 
 def message_dict(msg: Message, *, defaults: bool = True) -> dict[str, Any]:
