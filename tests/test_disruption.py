@@ -23,7 +23,8 @@ from handlers.reconcile.disruption import (
     decide_evictions,
     disrupted,
 )
-from handlers.reconcile.planner import AWAIT_EVICTION, AWAIT_NODE, FAILOVER, NodeView, plan_workload
+from handlers.reconcile.planner.inputs import NodeView
+from handlers.reconcile.planner.workload import AWAIT_EVICTION, AWAIT_NODE, FAILOVER, plan_workload
 from handlers.settings.config import ConfigError, load_settings
 from handlers.workloads.retry import RetryPolicy
 from tests.fixtures.harness import make_settings

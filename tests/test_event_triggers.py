@@ -30,7 +30,7 @@ from eventsource.events import CATALOGUE, EVENT_TYPES, parse_rfc3339, parse_stre
 from eventsource.keys import KeyLayout
 from eventsource.stream import writer_client
 from handlers.app.server import Scheduler
-from handlers.reconcile.planner import REAPPLY
+from handlers.reconcile.planner.workload import REAPPLY
 from handlers.settings.config import Settings
 from ops.devstack import EtcdProcess, RedisProcess
 from ops.sim import NodeBehaviour

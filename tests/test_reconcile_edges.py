@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from handlers.reconcile.planner import COUNT_FAILURE, REAPPLY
+from handlers.reconcile.planner.workload import COUNT_FAILURE, REAPPLY
 from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import make_settings

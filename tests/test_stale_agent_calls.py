@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from handlers.reconcile.loops import CycleReport, loops_of
-from handlers.reconcile.planner import REAPPLY, Action
+from handlers.reconcile.planner.workload import REAPPLY, Action
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,

@@ -62,44 +62,49 @@ from handlers.agents.pool import AgentError
 from handlers.placement.decision import canonical_type
 from handlers.reconcile.disruption import EvictionDecision, EvictionGate, EvictionPolicy
 from handlers.reconcile.parts import SchedulerParts
-from handlers.reconcile.planner import (
+from handlers.reconcile.planner.cycle import (
+    CyclePlan,
+    SteadyKey,
+    SteadyNodes,
+    node_facts,
+    plan_node,
+    plan_unassigned,
+)
+from handlers.reconcile.planner.drift import (
     ADOPT_ACTIONS,
     ALIGN_STATUS,
-    APPLY_STOPPED,
-    COMPARABLE_STATUSES,
-    COUNT_FAILURE,
-    DELETE,
     DELETE_ON_AGENT_ACTIONS,
     DELETE_ORPHAN,
     DELETE_RESIDUAL,
+    DriftDeduper,
+    DriftFinding,
+    classify_drift,
+)
+from handlers.reconcile.planner.inputs import (
+    COMPARABLE_STATUSES,
+    MONITORED_NODE_STATUSES,
+    STOPPED,
+    NodeObservation,
+    NodeView,
+    node_of,
+    node_view,
+    observed_from_agent,
+    owns_workload,
+)
+from handlers.reconcile.planner.monitor import NodeCheck, plan_node_monitor
+from handlers.reconcile.planner.workload import (
+    APPLY_STOPPED,
+    COUNT_FAILURE,
+    DELETE,
     FAILOVER,
     FINALIZE,
     MARK_TERMINAL,
-    MONITORED_NODE_STATUSES,
     NOOP,
     PLACE,
     REAPPLY,
     RECORD_REPORT,
     SETTLE,
-    STOPPED,
     Action,
-    CyclePlan,
-    DriftDeduper,
-    DriftFinding,
-    NodeCheck,
-    NodeObservation,
-    NodeView,
-    SteadyKey,
-    SteadyNodes,
-    classify_drift,
-    node_facts,
-    node_of,
-    node_view,
-    observed_from_agent,
-    owns_workload,
-    plan_node,
-    plan_node_monitor,
-    plan_unassigned,
 )
 from handlers.specs.validation import (
     CONVERSION_ERRORS,
