@@ -25,8 +25,7 @@ from eventsource.etcd import Compare, Put
 from eventsource.events import parse_rfc3339
 from eventsource.records import WorkloadSpec, WorkloadStatus, encode
 from handlers.app.server import Scheduler
-from handlers.reconcile import loops as loops_module
-from handlers.reconcile.loops import RegisteredLoops, loops_of, monitor_interval_s
+from handlers.reconcile import planning as loops_module
 from handlers.reconcile.planner.workload import (
     APPLY_STOPPED,
     BACKOFF_WAIT,
@@ -37,6 +36,7 @@ from handlers.reconcile.planner.workload import (
     SETTLE,
     TERMINAL,
 )
+from handlers.reconcile.registration import RegisteredLoops, loops_of, monitor_interval_s
 from handlers.settings.config import Settings
 from handlers.workloads.retry import LAST_APPLY_AT, REAPPLY_ATTEMPTS
 from ops.sim import Fleet, NodeBehaviour

@@ -161,7 +161,7 @@ async def test_drift_never_deletes_a_workload_created_while_the_agents_were_list
     before it was listed: the revision to wait for is the one after the listing."""
     from eventsource.etcd import Put
     from eventsource.records import WorkloadSpec, WorkloadStatus, encode
-    from handlers.reconcile import loops as loops_module
+    from handlers.reconcile import planning as loops_module
     from tests.test_reconcile import agent_apply
 
     monkeypatch.setattr(loops_module, "DRIFT_FRESHNESS_WAIT_S", 0.3)

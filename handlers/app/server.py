@@ -296,7 +296,7 @@ class Scheduler:
         self.dns: DnsRegistration | None = None
         self.grpc_port = 0
         self.health_servicer = health.aio.HealthServicer()
-        from handlers.reconcile.loops import register_loops
+        from handlers.reconcile.registration import register_loops
 
         register_loops(self)
 
