@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from handlers.identity.authz import NodeBinding
-from handlers.reconcile.loops import loops_of
+from handlers.reconcile.registration import loops_of
 from ops.sim import SimTls
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from proto.persys.control.v1 import control_pb2 as pb

@@ -18,8 +18,8 @@ from tests.fixtures.harness import (
     running_fleet,
     running_scheduler,
 )
+from tests.fixtures.reconcile import QUIET, last_apply, stack
 from tests.fixtures.waiting import wait_for
-from tests.test_reconcile import QUIET, last_apply, stack
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -23,12 +23,13 @@ from handlers.reconcile.disruption import (
     decide_evictions,
     disrupted,
 )
-from handlers.reconcile.planner import AWAIT_EVICTION, AWAIT_NODE, FAILOVER, NodeView, plan_workload
+from handlers.reconcile.planner.inputs import NodeView
+from handlers.reconcile.planner.workload import AWAIT_EVICTION, AWAIT_NODE, FAILOVER, plan_workload
 from handlers.settings.config import ConfigError, load_settings
 from handlers.workloads.retry import RetryPolicy
 from tests.fixtures.harness import make_settings
+from tests.fixtures.reconcile import QUIET, Stack, stack
 from tests.fixtures.waiting import wait_for
-from tests.test_reconcile import QUIET, Stack, stack
 
 POLICY = EvictionPolicy(rate_per_s=0.5, burst=2, unhealthy_threshold=0.55)
 

@@ -30,15 +30,15 @@ from eventsource.events import CATALOGUE, EVENT_TYPES, parse_rfc3339, parse_stre
 from eventsource.keys import KeyLayout
 from eventsource.stream.clients import writer_client
 from handlers.app.server import Scheduler
-from handlers.reconcile.planner import REAPPLY
+from handlers.reconcile.planner.workload import REAPPLY
 from handlers.settings.config import Settings
 from ops.devstack import EtcdProcess, RedisProcess
 from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1.control_pb2_grpc import AgentControlStub
 from tests.fixtures.harness import container_spec, control_stub, make_settings, running_scheduler
+from tests.fixtures.reconcile import QUIET, Stack, last_apply, stack
 from tests.fixtures.waiting import wait_for
-from tests.test_reconcile import QUIET, Stack, last_apply, stack
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "events.md"
 

@@ -13,8 +13,8 @@ from handlers.app.server import Scheduler
 from handlers.app.start_errors import StartError
 from handlers.cluster.leadership import KEY_CHECK_S
 from tests.fixtures.harness import make_settings, running_scheduler
+from tests.fixtures.reconcile import QUIET, stack
 from tests.fixtures.waiting import wait_for
-from tests.test_reconcile import QUIET, stack
 
 
 async def test_a_reconcile_placement_whose_commit_fails_leaves_no_reservation(

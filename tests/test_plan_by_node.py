@@ -19,17 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventsource.records import Node, RetryState, WorkloadSpec, WorkloadStatus
-from handlers.reconcile.loops import owned_by_node, plan_by_node
-from handlers.reconcile.planner import (
-    REAPPLY,
-    CyclePlan,
-    NodeObservation,
-    NodeView,
-    ObservedWorkload,
-    SteadyNodes,
-    node_view,
-    plan_cycle,
-)
+from handlers.reconcile.planner.cycle import CyclePlan, SteadyNodes, plan_cycle
+from handlers.reconcile.planner.inputs import NodeObservation, NodeView, ObservedWorkload, node_view
+from handlers.reconcile.planner.workload import REAPPLY
+from handlers.reconcile.planning import owned_by_node, plan_by_node
 from handlers.workloads.retry import LAST_APPLY_AT, LAST_APPLY_REVISION, RetryPolicy
 from projections.cluster import SpecChanges, WorkloadIndex
 from projections.prefix import Item

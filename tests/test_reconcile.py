@@ -1,32 +1,27 @@
-"""Reconcile, drift, node monitor and modes on real etcd and Redis with simulated nodes.
+"""Reconcile cycles and modes on real etcd and Redis with simulated nodes: cost, re-apply
+guard, the Deleting finisher, placement, the retry budget, overlap, metrics, degraded mode.
 
 The automatic loops are slowed to one cycle per hour (``reconcile_interval_s``) and drift is
 off unless a test asks for it, so each test drives cycles itself with ``run_once`` and an
 injected ``now``: retry schedules, guards and grace windows are checked without sleeping.
+Drift has its own file (``test_reconcile_drift``), and so has the node monitor
+(``test_node_monitor``); the stack they share is ``tests.fixtures.reconcile``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
-import logging
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
-import grpc
 import pytest
 
 from eventsource.commit import Change
 from eventsource.etcd import Compare, Put
-from eventsource.events import parse_rfc3339
-from eventsource.records import WorkloadSpec, WorkloadStatus, encode
-from handlers.app.server import Scheduler
-from handlers.reconcile.loops import RegisteredLoops, loops_of, monitor_interval_s
-from handlers.reconcile.planner import (
+from eventsource.records import encode
+from handlers.reconcile.planner.workload import (
     APPLY_STOPPED,
     BACKOFF_WAIT,
     COUNT_FAILURE,
@@ -36,21 +31,14 @@ from handlers.reconcile.planner import (
     SETTLE,
     TERMINAL,
 )
-from handlers.reconcile import loops as loops_module
-from handlers.settings.config import Settings
-from handlers.workloads.retry import LAST_APPLY_AT, REAPPLY_ATTEMPTS
-from ops.sim import Fleet, NodeBehaviour
-from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
+from handlers.workloads.retry import REAPPLY_ATTEMPTS
+from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
-from tests.fixtures.harness import container_spec, control_stub, make_settings, running_fleet
+from tests.fixtures.harness import container_spec, make_settings
 from tests.fixtures.metrics import counter_total
+from tests.fixtures.reconcile import QUIET, Stack, last_apply, stack
+from tests.fixtures.reconcile import list_events as _list
 from tests.fixtures.waiting import wait_for
-
-#: one automatic cycle (on gaining leadership), no automatic drift, and a leader lease long
-#: enough that a busy test process does not lose leadership (which would start an automatic
-#: cycle at once and interleave with the cycles the test drives)
-QUIET = {"reconcile_interval_s": 3600.0, "drift_detect_interval_s": 0.0,
-         "leader_lease_ttl_s": 10, "leader_renew_deadline_s": 7.0}
 
 
 def by_label(counter: Any, label: str) -> dict[str, float]:
@@ -61,129 +49,6 @@ def by_label(counter: Any, label: str) -> dict[str, float]:
                 key = sample.labels[label]
                 out[key] = out.get(key, 0.0) + sample.value
     return out
-
-
-@dataclass
-class Stack:
-    sched: Scheduler
-    fleet: Fleet
-    stub: Any
-    loops: RegisteredLoops
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.sched.grpc_port}"
-
-    def status(self, wid: str) -> Any:
-        item = self.sched.cluster.statuses.get(wid)
-        assert item is not None, wid
-        return item.value
-
-    def holder(self, wid: str) -> Any:
-        return self.fleet.node(self.status(wid).node_id)
-
-    def agent_state(self, wid: str) -> str | None:
-        """The state the assigned node's agent reports (None until both are known)."""
-        item = self.sched.cluster.statuses.get(wid)
-        if item is None or not item.value.node_id:
-            return None
-        return self.fleet.node(item.value.node_id).workload_state(wid)
-
-    async def unassign(self, wid: str) -> None:
-        """As after a runtime-unsupported answer: the assignment cleared and the workload's
-        allocation released, in one compared write; the projections then show it."""
-        sched = self.sched
-        status_item = sched.cluster.statuses.get(wid)
-        assert status_item is not None, wid
-        node_id = status_item.value.node_id
-        alloc_item = sched.cluster.allocations.get(node_id)
-        assert alloc_item is not None, node_id
-        st = copy.deepcopy(status_item.value)
-        st.node_id = st.assigned_node = ""
-        st.status = "Pending"
-        alloc = copy.deepcopy(alloc_item.value)
-        alloc.remove(wid)
-        await sched.committer.commit(Change(kind="test", compares=[
-            Compare.mod(sched.layout.status(wid), status_item.mod_revision),
-            Compare.mod(sched.layout.allocation(node_id), alloc_item.mod_revision)],
-            puts=[Put(sched.layout.status(wid), encode(st), category="status"),
-                  Put(sched.layout.allocation(node_id), encode(alloc), category="allocation")]))
-        await self.caught_up()
-
-    async def caught_up(self) -> None:
-        """Wait until this replica's projections reflect everything committed so far."""
-        revision = await self.sched.etcd.current_revision()
-        await self.sched.cluster.wait_for(revision, timeout=10)
-
-    async def apply(self, ids: Iterable[str], spec_of: Any = container_spec) -> None:
-        sem = asyncio.Semaphore(32)
-
-        async def one(wid: str) -> None:
-            async with sem:
-                resp = await self.stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                    workload_id=wid, spec=spec_of()))
-                assert resp.success, (wid, resp.error_message)
-
-        await asyncio.gather(*(one(w) for w in ids))
-
-    async def running(self, ids: Iterable[str], timeout: float = 30) -> None:
-        wanted = list(ids)
-
-        def done() -> bool:
-            for wid in wanted:
-                item = self.sched.cluster.statuses.get(wid)
-                if item is None or item.value.status != "Running":
-                    return False
-                node = item.value.node_id
-                if self.fleet.node(node).workload_state(wid) != "Running":
-                    return False
-            return True
-
-        await wait_for(done, timeout=timeout, message=f"{len(wanted)} workloads Running")
-
-    async def events(self, event_type: str, **filters: str) -> list[Any]:
-        resp = await self.stub.ListEvents(pb.ListEventsRequest(limit=500, type=event_type,
-                                                               **filters))
-        return list(resp.events)
-
-
-async def until_leader(sched: Scheduler) -> RegisteredLoops:
-    loops = loops_of(sched)
-    await wait_for(lambda: sched.leader.is_leader, timeout=20, message="leadership")
-    # the first cycle runs at once on gaining leadership; let it finish before driving cycles
-    await wait_for(lambda: loops.reconcile.last_report is not None, timeout=20,
-                   message="first reconcile cycle")
-    return loops
-
-
-@contextlib.asynccontextmanager
-async def stack(settings: Settings, nodes: int, *, behaviour: NodeBehaviour | None = None,
-                heartbeat_interval_s: float | None = 1.0) -> AsyncIterator[Stack]:
-    sched = Scheduler(settings)
-    try:
-        await sched.start()
-        loops = await until_leader(sched)
-        address = f"127.0.0.1:{sched.grpc_port}"
-        async with running_fleet(address, nodes, behaviour=behaviour,
-                                 heartbeat_interval_s=heartbeat_interval_s) as fleet, \
-                control_stub(address) as stub:
-            async with asyncio.timeout(30):
-                await fleet.wait_registered()
-            await wait_for(lambda: sum(
-                1 for n in sched.cluster.nodes.values() if n.status == "Ready") == nodes
-                and len(sched.cluster.alive.items) == nodes, timeout=30, message="nodes Ready")
-            yield Stack(sched, fleet, stub, loops)
-    finally:
-        await sched.stop()
-
-
-def last_apply(st: Any) -> datetime:
-    """When the workload's latest apply went out: the recorded request, or else the placement
-    (the dispatcher's outcome record can be lost, see the report on ``Dispatcher``)."""
-    stamp = parse_rfc3339(str(st.metadata.get(LAST_APPLY_AT, ""))) or parse_rfc3339(
-        st.status_info.last_updated)
-    assert stamp is not None, st.metadata
-    return stamp
 
 
 # -- cost: one RPC per owned node, no write -------------------------------------------------------
@@ -506,344 +371,7 @@ async def test_failing_apply_goes_retry_pending_then_failed_on_schedule(
                                      if k == COUNT_FAILURE and a < 5)
 
 
-# -- drift ---------------------------------------------------------------------------------------
-
-async def agent_apply(endpoint: str, wid: str, revision: str) -> None:
-    channel = grpc.aio.insecure_channel(endpoint)
-    try:
-        stub = agent_pb2_grpc.AgentServiceStub(channel)
-        resp = await stub.ApplyWorkload(agent_pb2.ApplyWorkloadRequest(
-            id=wid, revision_id=revision, type=agent_pb2.WORKLOAD_TYPE_CONTAINER,
-            desired_state=agent_pb2.DESIRED_STATE_RUNNING,
-            spec=agent_pb2.WorkloadSpec(container=agent_pb2.ContainerSpec(image="rogue:1"))))
-        assert resp.applied
-    finally:
-        await channel.close()
-
-
-async def test_drift_waits_for_projections_that_show_etcd_before_the_listing(
-        etcd_server, redis_server, key_root, stream_key, monkeypatch):
-    """A workload another replica created (in etcd, and on its agent) while this replica's
-    projections were frozen behind etcd is no orphan: drift is skipped until they catch up."""
-    monkeypatch.setattr(loops_module, "DRIFT_FRESHNESS_WAIT_S", 0.3)
-    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
-                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
-    async with stack(settings, 1, heartbeat_interval_s=900) as s:
-        s.fleet.hold_control(True)
-        await s.caught_up()
-        node = s.fleet.nodes[0]
-        cluster = s.sched.cluster
-        held: list[Any] = []
-        fold = cluster.apply
-        cluster.apply = held.append  # type: ignore[method-assign]  # the watch falls behind
-        spec = WorkloadSpec(id="fresh", type="container", image="rogue:1",
-                            desired_state="Running", revision_id="rev-f")
-        status = WorkloadStatus(id="fresh", node_id=node.node_id, assigned_node=node.node_id,
-                                status="Running")
-        layout = s.sched.layout
-        await s.sched.etcd.txn([], [Put(layout.spec("fresh"), encode(spec)),
-                                    Put(layout.status("fresh"), encode(status))])
-        await agent_apply(node.endpoint, "fresh", "rev-f")
-        report = await s.loops.reconcile.run_once(drift=True)
-        assert not report.drift
-        assert report.drifts == []
-        assert "fresh" in node.workload_ids()
-        # caught up: drift runs, and the workload is known (the projection may need a progress
-        # notification to pass a revision written outside its root: the real wait applies)
-        cluster.apply = fold  # type: ignore[method-assign]
-        for batch in held:
-            fold(batch)
-        monkeypatch.setattr(loops_module, "DRIFT_FRESHNESS_WAIT_S", 5.0)
-        report = await s.loops.reconcile.run_once(drift=True)
-        assert report.drift
-        assert not any(f.workload_id == "fresh" for f in report.drifts)
-        assert "fresh" in node.workload_ids()
-
-
-async def test_each_drift_type_is_detected_and_remediated(etcd_server, redis_server, key_root,
-                                                          stream_key):
-    # heartbeats are rare here (the fleet's seeded spread puts the next ones minutes away), so
-    # the drift the test injects is not repaired by a heartbeat before the cycle sees it
-    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
-                             node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
-    async with stack(settings, 2, heartbeat_interval_s=900) as s:
-        ids = ["killed", "relabelled", "old-rev", "moved"]
-        await s.apply(ids)
-        await wait_for(lambda: all(s.agent_state(w) == "Running" for w in ids), timeout=15)
-        # from here on no heartbeat at all: the first one after registration is spread over
-        # the interval and could otherwise land in this test's few seconds (a rare flake)
-        s.fleet.hold_control(True)
-        await s.caught_up()
-        a_node = s.holder("moved")
-        other = next(n for n in s.fleet.nodes if n is not a_node)
-        # missing_on_agent
-        s.holder("killed").kill_workloads(["killed"])
-        # orphan_on_agent (unknown to the scheduler) and an adoption (runs on the other node)
-        await agent_apply(other.endpoint, "stray", "rev-x")
-        a_node.kill_workloads(["moved"])
-        moved_rev = s.sched.cluster.specs.get("moved").value.revision_id  # type: ignore[union-attr]
-        await agent_apply(other.endpoint, "moved", moved_rev)
-        # revision_mismatch: the agent runs another revision
-        await agent_apply(s.holder("old-rev").endpoint, "old-rev", "rev-old")
-
-        # state_mismatch: the scheduler believes Stopped while the agent runs it
-        def to_stopped(st: Any) -> list[Any]:
-            st.status = "Stopped"
-            st.status_info.actual_state = "Stopped"
-            return []
-
-        await s.sched.writer.update_status("relabelled", to_stopped)
-        await wait_for(lambda: all(
-            n.workload_state(w) == "Running" for n, w in
-            ((other, "stray"), (other, "moved"), (s.holder("old-rev"), "old-rev"))), timeout=10)
-        await s.caught_up()
-        # past the 45 s default guard of every apply so far (nothing is "in flight")
-        now = s.sched.clock.now() + timedelta(seconds=60)
-
-        report = await s.loops.reconcile.run_once(now=now, drift=True)
-        assert report.drift
-        found = {(f.drift_type, f.workload_id, f.action) for f in report.drifts}
-        assert found == {
-            ("missing_on_agent", "killed", "retry_and_reconcile"),
-            ("orphan_on_agent", "stray", "delete_orphan_on_agent"),
-            ("orphan_on_agent", "moved", "reassign_to_reporting_node"),
-            ("revision_mismatch", "old-rev", "reapply_scheduler_revision"),
-            ("state_mismatch", "relabelled", "align_scheduler_status"),
-        }
-        await s.caught_up()
-        # remediated
-        assert other.workload_state("stray") is None
-        assert s.status("moved").node_id == other.node_id
-        assert s.status("relabelled").status == "Running"
-        await wait_for(lambda: s.holder("killed").workload_state("killed") == "Running",
-                       timeout=10)
-        spec_rev = s.sched.cluster.specs.get("old-rev").value.revision_id  # type: ignore[union-attr]
-        await wait_for(lambda: _agent_revision(s.holder("old-rev"), "old-rev") == spec_rev,
-                       timeout=10)
-        allocation = s.sched.cluster.allocations.get(other.node_id)
-        assert allocation is not None
-        assert "moved" in allocation.value.workloads
-        # records under /drifts/ and DriftDetected events (each once)
-        page = await s.sched.etcd.range_prefix(s.sched.layout.drifts_prefix)
-        types = {kv.key.rsplit("/", 1)[-1] for kv in page.kvs}
-        assert types == {"missing_on_agent", "orphan_on_agent", "revision_mismatch",
-                         "state_mismatch"}
-        events = await wait_for(lambda: _at_least(s.events("DriftDetected"), 5), timeout=10)
-        assert {e.reason for e in events} == types
-        assert all(e.details["resolved"] == "true" for e in events)
-
-        # the same finding within 2 minutes is detected (and remediated) but not recorded again
-        # (first a plain cycle settles the statuses of the re-applied workloads: no heartbeat
-        # mirrors their agents' Running here)
-        await wait_for(lambda: s.holder("killed").workload_state("killed") == "Running")
-        settled = await s.loops.reconcile.run_once(now=now + timedelta(seconds=30))
-        assert settled.failed == {}
-        await s.caught_up()
-        s.holder("killed").kill_workloads(["killed"])
-        drift_txns = counter_total(s.sched.metrics.etcd_txns, kind="drift")
-        report = await s.loops.reconcile.run_once(now=now + timedelta(seconds=60), drift=True)
-        assert [f.drift_type for f in report.drifts] == ["missing_on_agent"]
-        assert report.succeeded[REAPPLY] == 1
-        assert counter_total(s.sched.metrics.etcd_txns, kind="drift") == drift_txns
-
-
-def _agent_revision(node: Any, wid: str) -> str:
-    held = node._workloads.get(wid)
-    return held.revision_id if held is not None else ""
-
-
-async def _at_least(fetch: Any, n: int) -> list[Any] | None:
-    got = await fetch
-    return got if len(got) >= n else None
-
-
-# -- liveness and failover with two replicas -----------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-async def test_silent_node_goes_not_ready_and_its_workloads_move_with_two_replicas(
-        etcd_server, redis_server, key_root, stream_key):
-    common = QUIET
-    first = Scheduler(make_settings(etcd_server, redis_server, key_root, stream_key,
-                                    instance_id="replica-a", **common))
-    second = Scheduler(make_settings(etcd_server, redis_server, key_root, stream_key,
-                                     instance_id="replica-b", **common))
-    try:
-        await first.start()
-        await until_leader(first)
-        await second.start()
-        assert not second.leader.is_leader
-        follower = f"127.0.0.1:{second.grpc_port}"
-        # every heartbeat goes to the follower; the leader only sees the liveness keys
-        async with running_fleet(follower, 4) as fleet, control_stub(follower) as stub:
-            async with asyncio.timeout(30):
-                await fleet.wait_registered()
-            for replica in (first, second):
-                await wait_for(lambda r=replica: sum(1 for n in r.cluster.nodes.values()
-                                                     if n.status == "Ready") == 4, timeout=30)
-            movable = [f"m-{i}" for i in range(8)]
-            for wid in movable:
-                resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
-                    workload_id=wid, spec=container_spec()))
-                assert resp.success, resp.error_message
-            local_spec = container_spec()
-            local_spec.metadata["persys.storage.local"] = "true"
-            resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(workload_id="pinned",
-                                                                    spec=local_spec))
-            assert resp.success
-            everything = [*movable, "pinned"]
-
-            def all_running() -> bool:
-                for wid in everything:
-                    item = first.cluster.statuses.get(wid)
-                    if item is None or item.value.status != "Running":
-                        return False
-                return True
-
-            await wait_for(all_running, timeout=30)
-            victim_id = first.cluster.statuses.get("pinned").value.node_id  # type: ignore[union-attr]
-            victim = fleet.node(victim_id)
-            on_victim = sorted(first.cluster.workload_ids_on(victim_id))
-            moving = [w for w in on_victim if w != "pinned"]
-            assert moving, on_victim  # the spread score puts 2-3 of the 9 on every node
-            loop = asyncio.get_running_loop()
-            await victim.crash()
-            crashed_at = loop.time()
-            ttl = first.settings.node_lease_ttl_s
-            bound = ttl + monitor_interval_s(first.settings) + 2.0
-            await wait_for(lambda: first.cluster.nodes.get(victim_id).value.status  # type: ignore[union-attr]
-                           == "NotReady", timeout=bound + 5, interval=0.05)
-            elapsed = loop.time() - crashed_at
-            assert elapsed <= bound, f"NotReady after {elapsed:.1f}s (lease TTL {ttl}s)"
-
-            def moved() -> bool:
-                for wid in moving:
-                    st = first.cluster.statuses.get(wid).value  # type: ignore[union-attr]
-                    if st.node_id == victim_id:
-                        return False
-                    if fleet.node(st.node_id).workload_state(wid) != "Running":
-                        return False
-                return True
-
-            await wait_for(moved, timeout=20, message="movable workloads running elsewhere")
-            assert first.cluster.statuses.get("pinned").value.node_id == victim_id  # type: ignore[union-attr]
-            lost = await wait_for(lambda: _list(stub, "NodeLost", node_id=victim_id), timeout=10)
-            assert lost[0].details["source"] == "monitor"
-            assert lost[0].details["status"] == "NotReady"
-            rescheduled = await wait_for(lambda: _list(stub, "Rescheduled", n=len(moving)),
-                                         timeout=10)
-            assert {e.details["previous_node"] for e in rescheduled} == {victim_id}
-            skipped = await wait_for(lambda: _list(stub, "RescheduleSkipped",
-                                                   workload_id="pinned"), timeout=10)
-            assert skipped[0].details["persistence_class"] == "node-local"
-            # the follower never ran a leader loop
-            assert loops_of(second).reconcile.last_report is None
-    finally:
-        await second.stop()
-        await first.stop()
-
-
-async def _list(stub: Any, event_type: str, n: int = 1, **filters: str) -> list[Any] | None:
-    resp = await stub.ListEvents(pb.ListEventsRequest(limit=500, type=event_type, **filters))
-    return list(resp.events) if len(resp.events) >= n else None
-
-
-async def test_long_not_ready_node_is_removed(etcd_server, redis_server, key_root, stream_key):
-    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
-                             node_gc_after_s=600.0, **QUIET)
-    async with stack(settings, 2) as s:
-        victim = s.fleet.nodes[0]
-        await victim.crash()
-        await wait_for(lambda: s.sched.cluster.nodes.get(victim.node_id).value.status  # type: ignore[union-attr]
-                       == "NotReady", timeout=20)
-        # registered through a replica of another shard key: its DNS record lives there
-        other = s.sched.layout.skydns(settings.agents_discovery_domain, "other-shard",
-                                      victim.node_id)
-        await s.sched.etcd.txn([], [Put(other, b'{"host": "127.0.0.1"}')])
-
-        def relabel(node: Any) -> list[Any]:
-            node.labels["scheduler_shard"] = "other-shard"
-            return []
-
-        await s.sched.writer.update_node(victim.node_id, relabel)
-        monitor = s.loops.monitor
-
-        async def monitor_at(seconds: float) -> Any:
-            # the automatic monitor may be mid-tick: retry until this call is the one that runs
-            report = await monitor.run_once(now=s.sched.clock.now() + timedelta(seconds=seconds))
-            return None if report.skipped == "overlap" else report
-
-        early = await wait_for(lambda: monitor_at(60), timeout=10)
-        assert early.collected == []
-        late = await wait_for(lambda: monitor_at(700), timeout=10)
-        assert late.collected == [victim.node_id]
-        await s.caught_up()
-        assert s.sched.cluster.nodes.get(victim.node_id) is None
-        assert await s.sched.etcd.get(s.sched.layout.node_status(victim.node_id)) is None
-        skydns = s.sched.layout.skydns(settings.agents_discovery_domain, settings.shard_key,
-                                       victim.node_id)
-        assert await s.sched.etcd.get(skydns) is None
-        assert await s.sched.etcd.get(other) is None
-        left = await wait_for(lambda: s.events("NodeLeft", node_id=victim.node_id), timeout=10)
-        assert left[0].details["status"] == "Removed"
-
-
-async def test_a_node_whose_heartbeat_came_back_is_neither_lost_nor_removed(
-    etcd_server, redis_server, key_root, stream_key
-):
-    """The monitor decides on a missing liveness key, then works through its plan for
-    seconds; a heartbeat that recreated the key meanwhile cancels NotReady and removal."""
-    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
-                             node_gc_after_s=600.0, **QUIET)
-    async with stack(settings, 1) as s:
-        node_id = s.fleet.nodes[0].node_id
-        monitor = s.loops.monitor
-        now = s.sched.clock.now()
-        await wait_for(lambda: s.sched.cluster.alive.get(node_id) is not None, timeout=10)
-        # the monitor's stale plan says the lease is gone; the node is heartbeating
-        assert not await monitor.mark_not_ready(node_id, reason="lease expired",
-                                                source="monitor", now=now)
-        assert s.sched.cluster.nodes.get(node_id).value.status == "Ready"  # type: ignore[union-attr]
-        # NotReady for another reason (its agent did not answer), and old enough to remove
-        assert await monitor.mark_not_ready(node_id, reason="agent unreachable",
-                                            source="reconciler", now=now)
-        await s.caught_up()
-        assert not await monitor._collect(node_id, now + timedelta(seconds=700))
-        assert s.sched.cluster.nodes.get(node_id) is not None
-
-
-async def test_the_monitor_moves_every_workload_of_a_lost_node_in_one_pass(
-    etcd_server, redis_server, key_root, stream_key, caplog
-):
-    """Every move off one node rewrites that node's allocation: moves from one node go one at
-    a time, so none is lost to another's compare (30 moves once left 22 to later cycles)."""
-    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
-    async with stack(settings, 3) as s:
-        ids = [f"burst-{i}" for i in range(60)]
-        await s.apply(ids)
-        await wait_for(lambda: all(s.agent_state(w) == "Running" for w in ids), timeout=60)
-        await s.caught_up()
-        counts: dict[str, int] = {}
-        for w in ids:
-            counts[s.status(w).node_id] = counts.get(s.status(w).node_id, 0) + 1
-        victim = max(counts, key=lambda node_id: counts[node_id])
-        assert counts[victim] >= 10, counts
-        monitor = s.loops.monitor
-        caplog.set_level(logging.WARNING, logger="persys.loops")
-        await s.fleet.node(victim).crash()
-
-        async def all_moved() -> bool:
-            # the monitor's own schedule may run the pass first: either one moves them
-            await monitor.run_once(now=s.sched.clock.now() + timedelta(seconds=60))
-            await s.caught_up()
-            return not [w for w in ids if s.status(w).node_id == victim]
-
-        await wait_for(all_moved, timeout=40, message="the lost node's workloads were never "
-                       "moved")
-        failed = [r.getMessage() for r in caplog.records
-                  if r.getMessage().startswith("failover of workload_id=")]
-        assert not failed, failed
-
+# -- what changed since the plan, and what the agent answered ------------------------------------
 
 async def test_a_stop_after_the_plan_is_not_undone_by_the_planned_reapply(
         etcd_server, redis_server, key_root, stream_key):

@@ -8,12 +8,12 @@ from typing import Any
 
 import grpc
 
-from handlers.reconcile.planner import COUNT_FAILURE, REAPPLY
+from handlers.reconcile.planner.workload import COUNT_FAILURE, REAPPLY
 from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import make_settings
+from tests.fixtures.reconcile import QUIET, last_apply, stack
 from tests.fixtures.waiting import wait_for
-from tests.test_reconcile import QUIET, last_apply, stack
 
 
 def vm_spec() -> Any:
@@ -161,8 +161,8 @@ async def test_drift_never_deletes_a_workload_created_while_the_agents_were_list
     before it was listed: the revision to wait for is the one after the listing."""
     from eventsource.etcd import Put
     from eventsource.records import WorkloadSpec, WorkloadStatus, encode
-    from handlers.reconcile import loops as loops_module
-    from tests.test_reconcile import agent_apply
+    from handlers.reconcile import planning as loops_module
+    from tests.fixtures.reconcile import agent_apply
 
     monkeypatch.setattr(loops_module, "DRIFT_FRESHNESS_WAIT_S", 0.3)
     settings = make_settings(etcd_server, redis_server, key_root, stream_key,

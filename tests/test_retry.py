@@ -17,55 +17,52 @@ from hypothesis import strategies as st
 
 from eventsource.events import rfc3339
 from eventsource.records import Node, RetryState, WorkloadSpec, WorkloadStatus
-from handlers.reconcile.planner import (
+from handlers.reconcile.planner.cycle import plan_cycle
+from handlers.reconcile.planner.drift import (
     ADOPT,
     ALIGN_STATUS,
-    APPLY_STOPPED,
-    AWAIT_NODE,
     AWAIT_OWNER_APPLY,
-    BACKOFF_WAIT,
-    COUNT_FAILURE,
-    DELETE,
     DELETE_DUPLICATE,
     DELETE_ORPHAN,
     DELETE_RESIDUAL,
-    FAILOVER,
     FAILOVER_REASSIGN,
-    FAILURE_REASON,
-    FINALIZE,
     INVESTIGATE,
-    MARK_TERMINAL,
     MAX_ORPHANS_PER_NODE,
     MISSING_ON_AGENT,
-    NOOP,
     ORPHAN,
-    PLACE,
-    REAPPLY,
-    REAPPLY_BACKOFF_WAIT,
     REASSIGN,
     REASSIGN_MISSING_OWNER,
     REBIND_ROTATED,
+    REVISION_MISMATCH,
+    STATE_MISMATCH,
+    DriftDeduper,
+    classify_drift,
+)
+from handlers.reconcile.planner.inputs import NodeObservation, NodeView, ObservedWorkload, node_view
+from handlers.reconcile.planner.monitor import NodeCheck, plan_node_monitor
+from handlers.reconcile.planner.workload import (
+    APPLY_STOPPED,
+    AWAIT_NODE,
+    BACKOFF_WAIT,
+    COUNT_FAILURE,
+    DELETE,
+    FAILOVER,
+    FINALIZE,
+    MARK_TERMINAL,
+    NOOP,
+    PLACE,
+    REAPPLY,
+    REAPPLY_BACKOFF_WAIT,
     RECORD_REPORT,
     RETRY_TERMINAL,
-    REVISION_MISMATCH,
     SETTLE,
     SETTLING,
-    STATE_MISMATCH,
     TERMINAL,
     UNOBSERVED,
-    DriftDeduper,
-    NodeCheck,
-    NodeObservation,
-    NodeView,
-    ObservedWorkload,
-    classify_drift,
-    node_view,
-    plan_cycle,
-    plan_node_monitor,
     plan_workload,
     steady_running,
 )
-from handlers.workloads.metadata import agent_metadata
+from handlers.workloads.metadata import FAILURE_REASON, agent_metadata
 from handlers.workloads.retry import (
     FAILURE_COUNTED_FOR,
     FAILURE_OBSERVED_AT,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from handlers.reconcile.loops import CycleReport, loops_of
-from handlers.reconcile.planner import REAPPLY, Action
+from handlers.reconcile.bookkeeping import CycleReport
+from handlers.reconcile.planner.workload import REAPPLY, Action
+from handlers.reconcile.registration import loops_of
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,

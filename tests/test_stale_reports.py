@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from handlers.reconcile.loops import ReconcileLoop
+from handlers.reconcile.cycle import ReconcileLoop
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,

@@ -163,7 +163,7 @@ class Scheduler:
         self.gc_pauses = GcPauses(self.metrics.gc_pause)
         self.grpc = GrpcEndpoint(settings, self.metrics, self.servicer)
         self.dns: DnsRegistration | None = None
-        from handlers.reconcile.loops import register_loops
+        from handlers.reconcile.registration import register_loops
 
         register_loops(self)
 

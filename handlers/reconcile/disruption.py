@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from handlers.reconcile.planner import NodeView
+from handlers.reconcile.planner.inputs import NodeView
 
 log = logging.getLogger(__name__)
 
