@@ -133,7 +133,9 @@ async def _dev(args: argparse.Namespace) -> int:
     from eventsource.racing import race
     from handlers.app.looplag import tune_gc
     from handlers.app.server import ListenError, Scheduler, StartError
-    from ops.devstack import EtcdProcess, RedisProcess, ServerStartError
+    from ops.devstack.etcd import EtcdProcess
+    from ops.devstack.process import ServerStartError
+    from ops.devstack.redis import RedisProcess
     from ops.sim import Fleet, NodeBehaviour
 
     try:  # before anything is started: a bad value leaves nothing behind

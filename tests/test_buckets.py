@@ -43,7 +43,7 @@ from handlers.storage.buckets import (
     user_for,
 )
 from handlers.vault.client import VaultError, VaultKV, refresh_after
-from ops.devstack import free_port
+from ops.devstack.process import free_port
 from ops.openbao import OpenBaoProcess
 from ops.rgw import RgwCluster
 from proto.persys.control.v1 import control_pb2 as pb

@@ -32,7 +32,8 @@ from eventsource.stream import writer_client
 from handlers.app.server import Scheduler
 from handlers.reconcile.planner import REAPPLY
 from handlers.settings.config import Settings
-from ops.devstack import EtcdProcess, RedisProcess
+from ops.devstack.etcd import EtcdProcess
+from ops.devstack.redis import RedisProcess
 from ops.sim import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1.control_pb2_grpc import AgentControlStub

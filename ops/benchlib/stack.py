@@ -43,7 +43,9 @@ from ops.benchlib.fleetstats import merge_fleet_stats
 from ops.benchlib.httpget import HttpError, get_json, http_get
 from ops.benchlib.procs import Child
 from ops.benchlib.promtext import MetricsSnapshot
-from ops.devstack import EtcdProcess, RedisProcess, free_port
+from ops.devstack.etcd import EtcdProcess
+from ops.devstack.process import free_port
+from ops.devstack.redis import RedisProcess
 from proto.persys.control.v1 import control_pb2
 
 if TYPE_CHECKING:
