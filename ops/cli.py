@@ -136,7 +136,8 @@ async def _dev(args: argparse.Namespace) -> int:
     from ops.devstack.etcd import EtcdProcess
     from ops.devstack.process import ServerStartError
     from ops.devstack.redis import RedisProcess
-    from ops.sim import Fleet, NodeBehaviour
+    from ops.sim.config import NodeBehaviour
+    from ops.sim.fleet import Fleet
 
     try:  # before anything is started: a bad value leaves nothing behind
         settings = _dev_settings(args)
@@ -246,7 +247,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from handlers.app.looplag import tune_gc
-    from ops.sim import run_sim
+    from ops.sim.cli import run_sim
 
     tune_gc()  # 5,000 simulated nodes are a large long-lived heap too: keep heartbeats on time
 
@@ -265,7 +266,7 @@ def go_bool(text: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     from ops.confirm import add_confirm_arguments, cmd_confirm
-    from ops.sim import add_sim_arguments
+    from ops.sim.cli import add_sim_arguments
 
     parser = argparse.ArgumentParser(prog="persys-scheduler", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

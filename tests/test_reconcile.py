@@ -39,7 +39,8 @@ from handlers.reconcile.planner import (
 from handlers.reconcile import loops as loops_module
 from handlers.settings.config import Settings
 from handlers.workloads.retry import LAST_APPLY_AT, REAPPLY_ATTEMPTS
-from ops.sim import Fleet, NodeBehaviour
+from ops.sim.config import NodeBehaviour
+from ops.sim.fleet import Fleet
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import container_spec, control_stub, make_settings, running_fleet

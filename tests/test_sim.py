@@ -1,4 +1,4 @@
-"""Unit tests of the simulated fleet (ops/sim.py) against a tiny in-process AgentControl.
+"""Unit tests of the simulated fleet (ops/sim/) against a tiny in-process AgentControl.
 
 The fake control server here is a real grpc.aio server that records RegisterNode and Heartbeat
 calls; nothing of the scheduler is involved.
@@ -17,15 +17,11 @@ from typing import Any
 import grpc
 import pytest
 
-from ops.sim import (
-    LEADER_TERM_METADATA,
-    NODE_ID_METADATA,
-    Fleet,
-    NodeBehaviour,
-    StatsServer,
-    add_sim_arguments,
-    run_sim,
-)
+from ops.sim.cli import add_sim_arguments, run_sim
+from ops.sim.config import NodeBehaviour
+from ops.sim.fleet import Fleet
+from ops.sim.node import LEADER_TERM_METADATA, NODE_ID_METADATA
+from ops.sim.stats import StatsServer
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc
 from tests.fixtures.waiting import wait_for

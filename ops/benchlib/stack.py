@@ -280,7 +280,8 @@ class Stack:
     async def _start_fleet(self) -> None:
         o = self.options
         if o.fleet_in_process:
-            from ops.sim import Fleet, NodeBehaviour
+            from ops.sim.config import NodeBehaviour
+            from ops.sim.fleet import Fleet
 
             _raise_fd_limit(2 * o.nodes + 512)
             self.fleet = Fleet(self._fleet_target(), count=o.nodes,
