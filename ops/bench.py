@@ -43,7 +43,7 @@ from ops.benchlib.stack import (
     StackOptions,
 )
 from ops.benchlib.workloads import run_prefix
-from ops.devstack import ServerStartError
+from ops.devstack.process import ServerStartError
 
 __all__ = ["add_bench_arguments", "apply_defaults", "cmd_bench"]
 

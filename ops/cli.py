@@ -136,8 +136,11 @@ async def _dev(args: argparse.Namespace) -> int:
     from handlers.app.looplag import tune_gc
     from handlers.app.server import Scheduler
     from handlers.app.start_errors import ListenError, StartError
-    from ops.devstack import EtcdProcess, RedisProcess, ServerStartError
-    from ops.sim import Fleet, NodeBehaviour
+    from ops.devstack.etcd import EtcdProcess
+    from ops.devstack.process import ServerStartError
+    from ops.devstack.redis import RedisProcess
+    from ops.sim.config import NodeBehaviour
+    from ops.sim.fleet import Fleet
 
     try:  # before anything is started: a bad value leaves nothing behind
         settings = _dev_settings(args)
@@ -247,7 +250,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from handlers.app.looplag import tune_gc
-    from ops.sim import run_sim
+    from ops.sim.cli import run_sim
 
     tune_gc()  # 5,000 simulated nodes are a large long-lived heap too: keep heartbeats on time
 
@@ -266,7 +269,7 @@ def go_bool(text: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     from ops.confirm import add_confirm_arguments, cmd_confirm
-    from ops.sim import add_sim_arguments
+    from ops.sim.cli import add_sim_arguments
 
     parser = argparse.ArgumentParser(prog="persys-scheduler", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

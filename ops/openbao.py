@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from ops.devstack import ServerStartError, _tail, free_port
+from ops.devstack.process import ServerStartError, _tail, free_port
 
 __all__ = ["OpenBaoProcess", "find_bao_binary"]
 

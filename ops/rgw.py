@@ -45,7 +45,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from ops.devstack import ServerStartError, _tail, free_port, pid_alive
+from ops.devstack.process import ServerStartError, _tail, free_port, pid_alive
 
 __all__ = ["APT_PACKAGES", "RgwCluster", "missing_binaries"]
 

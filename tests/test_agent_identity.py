@@ -16,7 +16,7 @@ import pytest
 
 from handlers.identity.authz import NodeBinding
 from handlers.reconcile.registration import loops_of
-from ops.sim import SimTls
+from ops.sim.config import SimTls
 from proto.persys.agent.v1 import agent_pb2, agent_pb2_grpc
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1 import control_pb2_grpc

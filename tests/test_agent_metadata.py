@@ -84,7 +84,7 @@ async def _with_ip(status: Callable[[], Awaitable[str]]) -> str:
 
 async def test_vm_primary_ip_reported_by_the_agent_shows_in_workload_status(
         etcd_server, redis_server, key_root, stream_key, monkeypatch):
-    import ops.sim as sim
+    import ops.sim.node as sim
     original = sim.SimNode._status
 
     def with_ip(w: Any) -> Any:
@@ -120,7 +120,7 @@ async def test_an_agent_reported_invalid_image_halts_the_retries(
     """The agent fails the workload and says why in its metadata (``failure_reason``
     INVALID_IMAGE, E4 ``shouldHaltReapply``): the workload is marked Failed for good after the
     first failure, and never applied again, instead of spending its retry budget."""
-    import ops.sim as sim
+    import ops.sim.node as sim
     original = sim.SimNode._status
 
     def invalid_image(w: Any) -> Any:
@@ -171,7 +171,7 @@ async def test_metadata_in_the_apply_answer_is_recorded_by_the_dispatcher(
     """The status in the agent's ApplyWorkload answer carries metadata: what is new reaches the
     status record with no reconcile cycle (one ran on gaining leadership, the next in an hour);
     the apply task's own keys (task_id, task_status) are not stored."""
-    import ops.sim as sim
+    import ops.sim.node as sim
     original = sim.SimNode._submitted
 
     def with_runtime(self: Any, w: Any) -> Any:

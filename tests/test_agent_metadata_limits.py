@@ -23,7 +23,7 @@ from tests.fixtures.waiting import wait_for
 
 async def test_agent_metadata_cannot_pin_a_movable_workload_to_its_node(
         etcd_server, redis_server, key_root, stream_key, monkeypatch):
-    import ops.sim as sim
+    import ops.sim.node as sim
     original = sim.SimNode._status
 
     def with_mount(w: Any) -> Any:
@@ -59,7 +59,7 @@ async def test_agent_metadata_cannot_pin_a_movable_workload_to_its_node(
             "drained node: the agent's own metadata made it node-local")
 async def test_agent_metadata_cannot_grow_a_status_record_past_the_record_limit(
         etcd_server, redis_server, key_root, stream_key, monkeypatch):
-    import ops.sim as sim
+    import ops.sim.node as sim
     calls = {"n": 0}
     original_list = sim.SimNode.ListWorkloads
 

@@ -12,7 +12,7 @@ import pytest
 from handlers.settings.buckets import load_buckets_config
 from handlers.storage.buckets.commands import BucketCommands
 from handlers.vault.client import VaultKV
-from ops.devstack import free_port
+from ops.devstack.process import free_port
 from tests.fixtures.buckets import (
     Clock,
     admin_rgw,

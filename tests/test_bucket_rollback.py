@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from handlers.storage.buckets.validation import user_for
-from ops.devstack import free_port
+from ops.devstack.process import free_port
 from tests.fixtures.buckets import (
     admin_rgw,
     bucket_env,

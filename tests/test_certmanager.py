@@ -317,7 +317,7 @@ async def test_a_scheduler_serves_and_reaches_agents_with_its_vault_certificate(
         stream_key) -> None:
     """PERSYS_VAULT_ENABLED end to end: no certificate files at start; the scheduler gets its
     own from Vault, serves mTLS with it, and Vault-certified agents register and run work."""
-    from ops.sim import SimTls
+    from ops.sim.config import SimTls
     from proto.persys.control.v1 import control_pb2 as pb
     from proto.persys.control.v1 import control_pb2_grpc
     from tests.fixtures.harness import (

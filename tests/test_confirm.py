@@ -12,7 +12,7 @@ from eventsource.keys import KeyLayout
 from handlers.cluster.modes import NORMAL, RECOVERY, decide_mode
 from handlers.cluster.supervisor import has_state
 from ops.confirm import confirm_empty_state
-from ops.devstack import EtcdProcess
+from ops.devstack.etcd import EtcdProcess
 
 
 @pytest.fixture

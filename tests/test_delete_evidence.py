@@ -39,7 +39,7 @@ async def test_a_refused_delete_whose_message_mentions_not_found_is_not_finalise
         etcd_server, redis_server, key_root, stream_key, monkeypatch, status_answer):
     """``status_answer``: the agent's GetWorkloadStatus answers the workload's status, or (an
     agent in trouble) a plain error; either way its ListWorkloads still lists the workload."""
-    import ops.sim as sim
+    import ops.sim.node as sim
 
     async def refuse(self: Any, request: Any, context: Any) -> Any:
         await self._admit("DeleteWorkload", context)
@@ -75,7 +75,7 @@ async def test_a_delete_of_a_workload_the_agent_does_not_hold_is_finalised(
     whose GetWorkloadStatus answers a plain error, by its ListWorkloads. The dispatcher
     finalises at once: the reconcile loop runs once, at leadership, before the workload
     exists."""
-    import ops.sim as sim
+    import ops.sim.node as sim
 
     async def gone(self: Any, request: Any, context: Any) -> Any:
         await self._admit("DeleteWorkload", context)

@@ -1,4 +1,4 @@
-"""The launchers in ops/devstack.py against real etcd and Redis processes."""
+"""The launchers in ops/devstack/ against real etcd and Redis processes."""
 
 from __future__ import annotations
 
@@ -15,18 +15,10 @@ import etcd3gw
 import pytest
 import redis
 
-from ops.devstack import (
-    EtcdError,
-    EtcdProcess,
-    RedisProcess,
-    ServerStartError,
-    etcd_compact,
-    etcd_revision,
-    find_etcd_binary,
-    find_redis_binary,
-    free_port,
-    pid_alive,
-)
+from ops.devstack.etcd import EtcdProcess, find_etcd_binary
+from ops.devstack.etcdapi import EtcdError, etcd_compact, etcd_revision
+from ops.devstack.process import ServerStartError, free_port, pid_alive
+from ops.devstack.redis import RedisProcess, find_redis_binary
 from tests.fixtures.waiting import wait_for, wait_for_sync
 
 
@@ -242,7 +234,7 @@ def test_etcd_foreign_server_on_port_is_not_taken_for_ours(
 ) -> None:
     # Simulate losing the race between picking a port and binding it: the shared etcd answers
     # /health on "our" port, which must not count as our server being ready.
-    monkeypatch.setattr("ops.devstack.port_in_use", lambda host, port: False)
+    monkeypatch.setattr("ops.devstack.process.port_in_use", lambda host, port: False)
     etcd = EtcdProcess(fast=True)
     with pytest.raises(ServerStartError):
         etcd.start(tmp_path / "etcd", client_port=etcd_server.client_port, timeout=10)
@@ -325,7 +317,7 @@ def test_redis_busy_port_and_foreign_server(
     proc = RedisProcess()
     with pytest.raises(ServerStartError, match="already in use"):
         proc.start(tmp_path / "r1", port=redis_server.port, appendonly=False)
-    monkeypatch.setattr("ops.devstack.port_in_use", lambda host, port: False)
+    monkeypatch.setattr("ops.devstack.process.port_in_use", lambda host, port: False)
     with pytest.raises(ServerStartError):
         proc.start(tmp_path / "r2", port=redis_server.port, appendonly=False)
     assert not proc.is_running()

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from eventsource.etcd import Put
-from ops.sim import NodeBehaviour
+from ops.sim.config import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,

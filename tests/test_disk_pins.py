@@ -9,7 +9,7 @@ from datetime import timedelta
 import grpc
 import pytest
 
-from ops.sim import NodeBehaviour
+from ops.sim.config import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,

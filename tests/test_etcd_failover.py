@@ -22,7 +22,7 @@ from eventsource.etcd import AsyncEtcd, Put
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import WorkloadSpec, encode
-from ops.devstack import free_port
+from ops.devstack.process import free_port
 from projections.cluster import ClusterProjection
 from tests.fixtures.waiting import wait_for
 

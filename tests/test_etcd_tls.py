@@ -14,7 +14,7 @@ from eventsource.etcd import AsyncEtcd, Put
 from eventsource.etcdtls import EtcdTls
 from eventsource.watch import WatchStream
 from handlers.settings.config import ConfigError, load_settings
-from ops.devstack import EtcdProcess
+from ops.devstack.etcd import EtcdProcess
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.certs import TestCA
 from tests.fixtures.harness import (

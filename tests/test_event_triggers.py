@@ -32,8 +32,9 @@ from eventsource.stream.clients import writer_client
 from handlers.app.server import Scheduler
 from handlers.reconcile.planner.workload import REAPPLY
 from handlers.settings.config import Settings
-from ops.devstack import EtcdProcess, RedisProcess
-from ops.sim import NodeBehaviour
+from ops.devstack.etcd import EtcdProcess
+from ops.devstack.redis import RedisProcess
+from ops.sim.config import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1.control_pb2_grpc import AgentControlStub
 from tests.fixtures.harness import container_spec, control_stub, make_settings, running_scheduler

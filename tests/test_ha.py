@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from ops.sim import Fleet, NodeBehaviour
+from ops.sim.config import NodeBehaviour
+from ops.sim.fleet import Fleet
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import container_spec, control_stub
 from tests.fixtures.replicas import Replica, ReplicaSet

@@ -23,7 +23,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from handlers.identity.authz import NodeBinding
-from ops.sim import SimTls, add_sim_arguments, run_sim
+from ops.sim.cli import add_sim_arguments, run_sim
+from ops.sim.config import SimTls
 from proto.persys.control.v1 import control_pb2 as pb
 from proto.persys.control.v1 import control_pb2_grpc
 from tests.fixtures.certs import Issued, TestCA

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from ops.replay import check_invariants, rebuild_cluster
-from ops.sim import NodeBehaviour
+from ops.sim.config import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,

@@ -12,7 +12,7 @@ from eventsource.etcd import AsyncEtcd, Delete, Put
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, decode, encode
-from ops.devstack import etcd_compact
+from ops.devstack.etcdapi import etcd_compact
 from projections.prefix import PrefixProjection
 from tests.fixtures.waiting import wait_for
 

@@ -32,7 +32,7 @@ from handlers.reconcile.planner.workload import (
     TERMINAL,
 )
 from handlers.workloads.retry import REAPPLY_ATTEMPTS
-from ops.sim import NodeBehaviour
+from ops.sim.config import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import container_spec, make_settings
 from tests.fixtures.metrics import counter_total

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from handlers.reconcile.planner.workload import COUNT_FAILURE, REAPPLY
-from ops.sim import NodeBehaviour
+from ops.sim.config import NodeBehaviour
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import make_settings
 from tests.fixtures.reconcile import QUIET, last_apply, stack
@@ -34,7 +34,7 @@ async def test_a_delete_is_not_finalised_while_the_node_is_alive_but_does_not_an
     the reconcile cycle must not then finalise it just because the same unanswered listing
     made it mark the node NotReady: the agent still runs the workload, and nothing would
     delete it there any more (drift is off, and its allocation is released)."""
-    import ops.sim as sim
+    import ops.sim.node as sim
 
     # the agent becomes overloaded: its gRPC server answers nothing, its heartbeats still go
     # out (patched before the fleet starts: grpc binds the servicer's methods at start)
@@ -96,7 +96,7 @@ async def test_a_stale_failed_listing_is_not_charged_to_the_reapply_in_flight(
     could have shown its outcome: one slow apply (a VM boots for minutes) must not exhaust the
     retry budget and end the workload Failed. Go governed an observed Failed by the re-apply
     guard (E4 step 8), whose base is the VM apply timeout here (bug I14)."""
-    import ops.sim as sim
+    import ops.sim.node as sim
 
     original_status = sim.SimNode._status
     #: workload id -> its stored (state, updated_at) when the apply now in flight arrived

@@ -24,7 +24,7 @@ from tests.fixtures.waiting import wait_for
 
 async def test_a_report_about_the_old_revision_does_not_halt_the_new_one(
         etcd_server, redis_server, key_root, stream_key, monkeypatch):
-    import ops.sim as sim
+    import ops.sim.node as sim
     original_status = sim.SimNode._status
 
     def invalid_image(w: Any) -> Any:

@@ -23,7 +23,9 @@ import pytest
 
 from handlers.settings.config import ConfigError, load_settings
 from ops.cli import run_replica
-from ops.devstack import EtcdProcess, etcd_revision, free_port
+from ops.devstack.etcd import EtcdProcess
+from ops.devstack.etcdapi import etcd_revision
+from ops.devstack.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -343,7 +343,7 @@ async def test_an_agent_that_hangs_mid_apply_costs_a_timeout_and_nothing_else(
     applied exactly once, on its node."""
     from dataclasses import replace
 
-    from ops.sim import NodeBehaviour
+    from ops.sim.config import NodeBehaviour
 
     settings = make_settings(etcd_private, redis_server, key_root, stream_key,
                              agent_apply_timeout_s=1.0, agent_rpc_timeout_s=1.0,
@@ -407,7 +407,7 @@ async def test_a_hung_agent_does_not_hold_up_applies_to_healthy_nodes(
         etcd_private, redis_server, key_root, stream_key) -> None:
     from dataclasses import replace
 
-    from ops.sim import NodeBehaviour
+    from ops.sim.config import NodeBehaviour
 
     settings = make_settings(etcd_private, redis_server, key_root, stream_key,
                              agent_apply_timeout_s=20.0)

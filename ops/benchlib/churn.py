@@ -2,7 +2,7 @@
 
 Why the fleet runs inside the bench here: killing workloads is an act on the agents, and the
 simulator process exposes only read-only ``GET /stats`` (no kill endpoint), so this scenario
-uses ``ops.sim.Fleet`` in process and calls ``SimNode.kill_workloads``, the same simulated
+uses ``ops.sim.fleet.Fleet`` in process and calls ``SimNode.kill_workloads``, the same simulated
 crash the simulator's own tests use. The scheduler still runs in its own process and is
 observed only through the agents and its exported metrics.
 

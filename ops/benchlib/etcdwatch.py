@@ -23,7 +23,7 @@ from collections.abc import Callable
 from eventsource.errors import StoreError
 from eventsource.keys import prefix_end
 from eventsource.watch import WatchEvent, WatchStream
-from ops.devstack import EtcdError, etcd_revision
+from ops.devstack.etcdapi import EtcdError, etcd_revision
 
 
 def key_group(key: str, root: str = "") -> str:

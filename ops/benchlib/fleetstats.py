@@ -18,7 +18,7 @@ LIST_CAP = 50
 
 
 def merge_fleet_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """``ops.sim.Fleet.stats`` of one fleet run as ``parts``: counts summed, maxima kept,
+    """``ops.sim.fleet.Fleet.stats`` of one fleet run as ``parts``: counts summed, maxima kept,
     per-key dicts (``rpcs``, ``per_node`` ...) merged key by key, example lists joined."""
     if len(parts) == 1:
         return dict(parts[0])

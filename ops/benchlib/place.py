@@ -14,7 +14,7 @@ from ops.benchlib.procs import CpuMeter
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import bucket_quantile, percentile
 from ops.benchlib.scenario import BenchContext, Outcome, Scenario
-from ops.devstack import EtcdError, etcd_revision
+from ops.devstack.etcdapi import EtcdError, etcd_revision
 
 FIGURES = (
     "placements_per_s",

@@ -43,7 +43,9 @@ from ops.benchlib.fleetstats import merge_fleet_stats
 from ops.benchlib.httpget import HttpError, get_json, http_get
 from ops.benchlib.procs import Child
 from ops.benchlib.promtext import MetricsSnapshot
-from ops.devstack import EtcdProcess, RedisProcess, free_port
+from ops.devstack.etcd import EtcdProcess
+from ops.devstack.process import free_port
+from ops.devstack.redis import RedisProcess
 from proto.persys.control.v1 import control_pb2
 
 if TYPE_CHECKING:
@@ -135,7 +137,7 @@ class Stack:
         #: Simulator processes, and the /stats address of each.
         self.sims: list[Child] = []
         self.sim_stats_addrs: list[str] = []
-        self.fleet: Any = None  # ops.sim.Fleet when in process (imported lazily)
+        self.fleet: Any = None  # ops.sim.fleet.Fleet when in process (imported lazily)
         self._etcd: EtcdProcess | None = None
         self._redis: RedisProcess | None = None
         self._failed = False
@@ -278,7 +280,8 @@ class Stack:
     async def _start_fleet(self) -> None:
         o = self.options
         if o.fleet_in_process:
-            from ops.sim import Fleet, NodeBehaviour
+            from ops.sim.config import NodeBehaviour
+            from ops.sim.fleet import Fleet
 
             _raise_fd_limit(2 * o.nodes + 512)
             self.fleet = Fleet(self._fleet_target(), count=o.nodes,
@@ -355,8 +358,8 @@ class Stack:
     # -- observation ----------------------------------------------------------------------------
 
     async def fleet_stats(self, *, per_node: bool = False) -> dict[str, Any]:
-        """The simulator's own counters (``ops.sim.Fleet.stats``), summed over its processes."""
-        if self.fleet is not None:
+        """The simulator's own counters (``ops.sim.fleet.Fleet.stats``), summed over its
+        processes.""" if self.fleet is not None:
             stats: dict[str, Any] = self.fleet.stats(per_node=per_node)
             return stats
         path = "/stats?per_node=1" if per_node else "/stats"
