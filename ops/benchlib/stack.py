@@ -359,7 +359,8 @@ class Stack:
 
     async def fleet_stats(self, *, per_node: bool = False) -> dict[str, Any]:
         """The simulator's own counters (``ops.sim.fleet.Fleet.stats``), summed over its
-        processes.""" if self.fleet is not None:
+        processes."""
+        if self.fleet is not None:
             stats: dict[str, Any] = self.fleet.stats(per_node=per_node)
             return stats
         path = "/stats?per_node=1" if per_node else "/stats"
