@@ -33,7 +33,8 @@ from handlers.storage.buckets import (
     object_message,
 )
 from handlers.storage.disks import DiskCommands, DiskError, DiskRequest
-from handlers.workloads.commands import Outcome, WorkloadCommands
+from handlers.workloads.commands import WorkloadCommands
+from handlers.workloads.outcome import Outcome
 from handlers.writes.cas import NotFound
 from projections.cluster import ClusterProjection
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc

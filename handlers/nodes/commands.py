@@ -49,7 +49,7 @@ from handlers.nodes.usage import UsageSink
 from handlers.placement.decision import canonical_driver, canonical_type
 from handlers.settings.config import Settings
 from handlers.specs.validation import LABELS_MAX, InvalidSpec, check_labels, validate_id
-from handlers.workloads.commands import Relocator
+from handlers.workloads.relocation import Relocator
 from handlers.writes.cas import NotFound, StateWriter
 from projections.cluster import ClusterProjection
 from proto.persys.control.v1 import control_pb2

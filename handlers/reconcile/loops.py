@@ -110,9 +110,10 @@ from handlers.specs.validation import (
     normalize_desired_state,
     request_of,
 )
-from handlers.workloads.commands import Outcome, mark_apply_requested, release_allocation
 from handlers.workloads.dispatch import refused
 from handlers.workloads.metadata import agent_metadata, merge_metadata, metadata_news
+from handlers.workloads.outcome import Outcome
+from handlers.workloads.records import mark_apply_requested, release_allocation
 from handlers.workloads.retry import (
     LAST_APPLY_AT,
     LAST_APPLY_REVISION,
