@@ -24,7 +24,8 @@ from handlers.identity.authz import Caller
 from handlers.nodes.commands import NodeCommands
 from handlers.nodes.usage import UsageSink
 from handlers.settings.config import Settings
-from handlers.specs.validation import InvalidSpec, check_label, parse_apply, spec_size, validate_id
+from handlers.specs.fields import InvalidSpec, check_label, validate_id
+from handlers.specs.validation import parse_apply, spec_size
 from handlers.storage.buckets import (
     BucketCommands,
     BucketError,

@@ -12,7 +12,7 @@ from typing import Any
 from eventsource.clock import Clock
 from eventsource.events import Event, rfc3339
 from eventsource.records import Node, Taint
-from handlers.specs.validation import LABELS_MAX, InvalidSpec
+from handlers.specs.fields import LABELS_MAX, InvalidSpec
 from handlers.writes.cas import StateWriter
 
 #: taints a node may carry (as many as labels)

@@ -32,7 +32,7 @@ from handlers.nodes.statuses import NOT_READY, READY, STICKY_STATUSES
 from handlers.nodes.usage import UsageSink
 from handlers.placement.decision import canonical_driver, canonical_type
 from handlers.settings.config import Settings
-from handlers.specs.validation import LABELS_MAX, InvalidSpec, check_labels, validate_id
+from handlers.specs.fields import LABELS_MAX, InvalidSpec, check_labels, validate_id
 from projections.cluster import ClusterProjection
 from proto.persys.control.v1 import control_pb2
 

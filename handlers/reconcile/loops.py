@@ -101,10 +101,9 @@ from handlers.reconcile.planner import (
     plan_node_monitor,
     plan_unassigned,
 )
-from handlers.specs.validation import (
-    CONVERSION_ERRORS,
+from handlers.specs.agent_request import CONVERSION_ERRORS, agent_apply_request
+from handlers.specs.stored import (
     DELETING_STATUSES,
-    agent_apply_request,
     being_deleted,
     compute_revision,
     normalize_desired_state,

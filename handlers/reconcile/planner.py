@@ -40,12 +40,8 @@ from typing import Any, NamedTuple
 
 from eventsource.events import parse_rfc3339
 from eventsource.records import Node, WorkloadSpec, WorkloadStatus
-from handlers.specs.validation import (
-    InvalidSpec,
-    being_deleted,
-    normalize_desired_state,
-    validate_id,
-)
+from handlers.specs.fields import InvalidSpec, validate_id
+from handlers.specs.stored import being_deleted, normalize_desired_state
 from handlers.workloads.metadata import FAILURE_REASON, NO_METADATA, agent_metadata, metadata_news
 from handlers.workloads.persistence import is_node_local
 from handlers.workloads.retry import (

@@ -20,7 +20,7 @@ from eventsource.keys import KeyLayout
 from eventsource.records import Allocation, Assignment, WorkloadSpec, WorkloadStatus, encode
 from handlers.placement.decision import PlacementRequest, canonical_driver
 from handlers.placement.placer import Placer
-from handlers.specs.validation import request_of
+from handlers.specs.stored import request_of
 from handlers.workloads.outcome import Outcome
 from projections.cluster import ClusterProjection
 

@@ -19,7 +19,9 @@ from eventsource.keys import KeyLayout
 from eventsource.records import RetryState, StatusInfo, WorkloadStatus, copy_record
 from handlers.placement.batcher import Intent, PlacementBatcher
 from handlers.placement.placer import Placer
-from handlers.specs.validation import InvalidSpec, ParsedApply, compute_revision, request_of
+from handlers.specs.fields import InvalidSpec
+from handlers.specs.stored import compute_revision, request_of
+from handlers.specs.validation import ParsedApply
 from handlers.storage.attachments import FIELD as DISK_FIELD
 from handlers.storage.attachments import disk_ids_of, load_disks, plan_attach
 from handlers.workloads.assignment import Assigner

@@ -18,7 +18,7 @@ from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, copy_record, encode
 from handlers.placement.placer import Placer
-from handlers.specs.validation import request_of
+from handlers.specs.stored import request_of
 from handlers.storage.attachments import (
     Found,
     disk_ids_in_spec,

@@ -15,7 +15,8 @@ from eventsource.etcd import Compare, Put
 from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, WorkloadStatus, copy_record
-from handlers.specs.validation import ParsedApply, compute_revision, request_of
+from handlers.specs.stored import compute_revision, request_of
+from handlers.specs.validation import ParsedApply
 from handlers.storage.attachments import FIELD as DISK_FIELD
 from handlers.storage.attachments import disk_ids_in_spec, disk_ids_of
 from handlers.workloads.assignment import Assigner
