@@ -63,7 +63,7 @@ def cluster_snapshot(cluster: ClusterProjection) -> dict[str, Any]:
 
 
 def check_invariants(cluster: ClusterProjection) -> list[str]:
-    from handlers.specs.validation import request_of
+    from handlers.specs.stored import request_of
 
     problems: list[str] = []
     expected: dict[str, dict[str, tuple[int, int]]] = {}

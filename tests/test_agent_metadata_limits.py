@@ -10,8 +10,8 @@ import json
 from typing import Any
 
 from eventsource.records import encode
-from handlers.workloads.commands import RECORD_MAX_BYTES
 from handlers.workloads.metadata import METADATA_MAX_BYTES, VALUE_BYTES, agent_metadata
+from handlers.workloads.records import RECORD_MAX_BYTES
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (
     container_spec,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eventsource.keys import KeyLayout
-from handlers.specs.validation import InvalidSpec
+from handlers.specs.fields import InvalidSpec
 from handlers.storage.attachments import (
     attached,
     detached,

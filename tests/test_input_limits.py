@@ -10,9 +10,11 @@ import grpc
 import pytest
 
 from handlers.app.server import Scheduler
-from handlers.nodes.commands import USAGE_TEXT_MAX_CHARS, _usage_dict
+from handlers.nodes.reports import USAGE_TEXT_MAX_CHARS
+from handlers.nodes.reports import usage_dict as _usage_dict
 from handlers.settings.config import load_settings
-from handlers.specs.validation import LABELS_MAX, InvalidSpec, parse_apply
+from handlers.specs.fields import LABELS_MAX, InvalidSpec
+from handlers.specs.validation import parse_apply
 from ops.cli import build_parser
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import (

@@ -26,7 +26,7 @@ from handlers.reconcile.planning import owned_by_node, plan_by_node
 from handlers.workloads.retry import LAST_APPLY_AT, LAST_APPLY_REVISION, RetryPolicy
 from projections.cluster import SpecChanges, WorkloadIndex
 from projections.prefix import Item
-from tests.test_retry import T0
+from tests.fixtures.planning import T0
 
 POLICY = RetryPolicy()
 APPLIED_LONG_AGO = {LAST_APPLY_AT: "2026-03-01T11:00:00Z", LAST_APPLY_REVISION: "rev-1"}

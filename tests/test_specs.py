@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eventsource.records import WorkloadSpec
-from handlers.specs.validation import InvalidSpec, agent_apply_request, parse_apply
+from handlers.specs.agent_request import agent_apply_request
+from handlers.specs.fields import InvalidSpec
+from handlers.specs.validation import parse_apply
 from proto.persys.control.v1 import control_pb2 as pb
 
 VM_FIELD = "spec.metadata[persys.vm_spec_b64]"

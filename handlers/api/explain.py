@@ -15,13 +15,13 @@ from datetime import datetime
 
 import grpc
 
-from eventsource.records import WorkloadSpec
 from handlers.api.convert import set_time
 from handlers.placement.decision import PlacementRequest
 from handlers.placement.explanation import TOP_MAX, Explanation
 from handlers.placement.placer import Placer
-from handlers.specs.validation import InvalidSpec, parse_apply, request_of, validate_id
-from handlers.workloads.commands import required_drivers
+from handlers.specs.fields import InvalidSpec, validate_id
+from handlers.specs.validation import parse_apply
+from handlers.workloads.assignment import placement_request
 from projections.cluster import ClusterProjection
 from proto.persys.control.v1 import control_pb2
 
@@ -61,7 +61,7 @@ class PlacementExplainer:
         parsed = parse_apply(control_pb2.ApplyWorkloadRequest(
             workload_id=workload_id, spec=request.spec), created_at="")
         assert parsed.spec is not None  # a request with a spec parses to one
-        req = _request(parsed.spec)
+        req = placement_request(parsed.spec)
         return self._with_holds(_response(req, self.placer.explain(req, top=top), now))
 
     def _of_stored(self, workload_id: str, top: int,
@@ -71,7 +71,7 @@ class PlacementExplainer:
             raise LookupError(f"workload {workload_id!r} not found")
         status_item = self.cluster.statuses.get(workload_id)
         node_id = status_item.value.node_id if status_item else ""
-        req = _request(spec_item.value)
+        req = placement_request(spec_item.value)
         allocation = self.cluster.allocations.get(node_id) if node_id else None
         leave_out = ((node_id, req.cpu_m, req.mem_mb) if allocation is not None
                      and workload_id in allocation.value.workloads else None)
@@ -90,13 +90,6 @@ class PlacementExplainer:
         resp.reserved_cpu_millicores = sum(cpu for cpu, _ in holds)
         resp.reserved_memory_mb = sum(mem for _, mem in holds)
         return resp
-
-
-def _request(spec: WorkloadSpec) -> PlacementRequest:
-    cpu_m, mem_mb = request_of(spec)
-    return PlacementRequest(workload_id=spec.id, workload_type=spec.type, cpu_m=cpu_m,
-                            mem_mb=mem_mb, selector=dict(spec.labels),
-                            required_drivers=required_drivers(spec))
 
 
 def _response(req: PlacementRequest, found: Explanation,

@@ -26,7 +26,8 @@ from handlers.identity.authz import Caller
 from handlers.nodes.commands import NodeCommands
 from handlers.nodes.usage import UsageSink
 from handlers.settings.config import Settings
-from handlers.specs.validation import InvalidSpec, check_label, parse_apply, spec_size, validate_id
+from handlers.specs.fields import InvalidSpec, check_label, validate_id
+from handlers.specs.validation import parse_apply, spec_size
 from handlers.storage.buckets.commands import BucketCommands
 from handlers.storage.buckets.model import (
     BucketError,
@@ -35,7 +36,8 @@ from handlers.storage.buckets.model import (
     object_message,
 )
 from handlers.storage.disks import DiskCommands, DiskError, DiskRequest
-from handlers.workloads.commands import Outcome, WorkloadCommands
+from handlers.workloads.commands import WorkloadCommands
+from handlers.workloads.outcome import Outcome
 from handlers.writes.cas import NotFound
 from projections.cluster import ClusterProjection
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc

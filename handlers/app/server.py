@@ -51,7 +51,7 @@ from handlers.placement.placer import Placer
 from handlers.settings.config import Settings
 from handlers.storage.buckets.build import build_buckets
 from handlers.storage.disks import DiskCommands
-from handlers.workloads.commands import Relocator, WorkloadCommands
+from handlers.workloads.commands import WorkloadCommands
 from handlers.workloads.dispatch import Dispatcher
 from handlers.workloads.persistence import managed_volumes_of
 from handlers.writes.cas import StateWriter
@@ -119,7 +119,7 @@ class Scheduler:
                                           dispatcher=self.dispatcher, batcher=self.batcher,
                                           mode=self.mode,
                                           clock=self.clock, layout=self.layout)
-        self.relocator = Relocator(self.workloads)
+        self.relocator = self.workloads.relocator
         self.redis = writer_client(self._redis_url()) if settings.redis_addr else None
         # telemetry gets its own connections: it must never take the ones events need
         self.usage_redis = (writer_client(self._redis_url(), max_connections=4)

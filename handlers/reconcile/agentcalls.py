@@ -23,10 +23,9 @@ from handlers.reconcile.planner.workload import APPLY_STOPPED, REAPPLY, Action
 from handlers.reconcile.relocations import Relocations
 from handlers.reconcile.shell import LoopShell
 from handlers.reconcile.statuswrites import StatusWrites
-from handlers.specs.validation import (
-    CONVERSION_ERRORS,
+from handlers.specs.agent_request import CONVERSION_ERRORS, agent_apply_request
+from handlers.specs.stored import (
     DELETING_STATUSES,
-    agent_apply_request,
     being_deleted,
     compute_revision,
     normalize_desired_state,

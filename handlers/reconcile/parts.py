@@ -17,8 +17,9 @@ from handlers.agents.pool import AgentPool
 from handlers.cluster.leadership import LeaderGate
 from handlers.cluster.modes import ModeState
 from handlers.settings.config import Settings
-from handlers.workloads.commands import Relocator, WorkloadCommands
+from handlers.workloads.commands import WorkloadCommands
 from handlers.workloads.dispatch import Dispatcher
+from handlers.workloads.relocation import Relocator
 from handlers.writes.cas import StateWriter
 from projections.cluster import ClusterProjection
 

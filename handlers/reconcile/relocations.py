@@ -22,8 +22,9 @@ from handlers.reconcile.planner.inputs import node_of
 from handlers.reconcile.planner.workload import Action
 from handlers.reconcile.shell import LoopShell
 from handlers.reconcile.statuswrites import StatusWrites
-from handlers.specs.validation import normalize_desired_state, request_of
-from handlers.workloads.commands import Outcome, mark_apply_requested, release_allocation
+from handlers.specs.stored import normalize_desired_state, request_of
+from handlers.workloads.outcome import Outcome, catch_up
+from handlers.workloads.records import mark_apply_requested, release_allocation
 from handlers.workloads.retry import REAPPLY_KEYS
 
 log = logging.getLogger("persys.loops")
@@ -66,7 +67,7 @@ class Relocations:
                 log.debug("reconcile: workload_id=%s has local disks on different nodes",
                           workload_id)
                 return False
-            placed = c._place(spec, status, only=pin)
+            placed = c.assigner.place(spec, status, only=pin)
             if isinstance(placed, Outcome):
                 log.debug("reconcile: no node fits workload_id=%s: %s", workload_id,
                           placed.message)
@@ -92,7 +93,7 @@ class Relocations:
                 committed = await self.committer.commit(change, fenced=True)
             except Conflict as exc:
                 c.placer.release(workload_id)
-                await c._catch_up(exc)
+                await catch_up(self.cluster, exc)
                 raise
             except BaseException:
                 # etcd unavailable, a timeout, the cycle cancelled at a lost leadership: as

@@ -40,7 +40,7 @@ from handlers.reconcile.planner.workload import (
     SETTLE,
 )
 from handlers.reconcile.shell import LoopShell, run_bounded
-from handlers.specs.validation import request_of
+from handlers.specs.stored import request_of
 from handlers.writes.cas import NotFound
 
 log = logging.getLogger("persys.loops")

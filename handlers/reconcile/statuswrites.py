@@ -18,7 +18,7 @@ from eventsource.records import WorkloadStatus
 from handlers.reconcile.planner.inputs import node_of
 from handlers.reconcile.planner.workload import Action
 from handlers.reconcile.shell import LoopShell
-from handlers.specs.validation import normalize_desired_state
+from handlers.specs.stored import normalize_desired_state
 from handlers.workloads.metadata import merge_metadata
 from handlers.workloads.retry import (
     REAPPLY_KEYS,

@@ -36,7 +36,7 @@ from typing import Any
 
 from eventsource.etcd import AsyncEtcd, Compare, Put
 from eventsource.keys import KeyLayout
-from handlers.specs.validation import InvalidSpec
+from handlers.specs.fields import InvalidSpec
 
 DISK_ID_KEYS = ("persys.disk.ids", "disk_ids")
 FIELD = "spec.metadata[persys.disk.ids]"

@@ -24,12 +24,8 @@ from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
 from eventsource.records import WorkloadSpec, WorkloadStatus, copy_record
 from handlers.agents.pool import AgentError, AgentPool
-from handlers.specs.validation import (
-    CONVERSION_ERRORS,
-    agent_apply_request,
-    being_deleted,
-    normalize_desired_state,
-)
+from handlers.specs.agent_request import CONVERSION_ERRORS, agent_apply_request
+from handlers.specs.stored import being_deleted, normalize_desired_state
 from handlers.storage.attachments import (
     detached,
     disk_ids_in_spec,

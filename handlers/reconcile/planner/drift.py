@@ -28,12 +28,8 @@ from handlers.reconcile.planner.inputs import (
     node_of,
 )
 from handlers.reconcile.planner.workload import dispatched_at
-from handlers.specs.validation import (
-    InvalidSpec,
-    being_deleted,
-    normalize_desired_state,
-    validate_id,
-)
+from handlers.specs.fields import InvalidSpec, validate_id
+from handlers.specs.stored import being_deleted, normalize_desired_state
 from handlers.workloads.retry import ReapplyState, RetryPolicy, reapply_guard
 
 ORPHAN = "orphan_on_agent"

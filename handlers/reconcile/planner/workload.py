@@ -52,7 +52,7 @@ from handlers.reconcile.planner.inputs import (
     ObservedWorkload,
     node_of,
 )
-from handlers.specs.validation import normalize_desired_state
+from handlers.specs.stored import normalize_desired_state
 from handlers.workloads.metadata import FAILURE_REASON, NO_METADATA, metadata_news
 from handlers.workloads.persistence import is_node_local
 from handlers.workloads.retry import (
