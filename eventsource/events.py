@@ -25,6 +25,7 @@ CATALOGUE: Mapping[str, str] = {
     "NodeLeft": "node GC: NotReady longer than SCHEDULER_NODE_GC_AFTER",
     "WorkloadScheduled": "ApplyWorkload, reconcile applies",
     "WorkloadFailed": "retry budget exhausted, apply rejected",
+    "WorkloadPending": "a workload that fits no node stored, or its kinds of refusal changed",
     "DriftDetected": "drift detection",
     "RetryTriggered": "RetryWorkload, failure retry schedule",
     "Rescheduled": "failover of a workload off an unavailable node",

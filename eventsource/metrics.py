@@ -121,6 +121,18 @@ class Metrics:
             buckets=(0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001,
                      0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
         )
+        self.pending_workloads = Gauge(
+            "pending_workloads", "workloads stored that fit no node yet (on this replica's view)",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.pending_placed = Counter(
+            "pending_placed", "pending workloads placed by the pending placer",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.pending_passes = Counter(
+            "pending_passes", "passes of the pending placer over its shapes (capacity changes)",
+            namespace=ns, subsystem=sub, registry=r,
+        )
         self.node_evictions = Counter(
             "node_evictions", "lost nodes admitted by the disruption guard (workloads moved)",
             namespace=ns, subsystem=sub, registry=r,

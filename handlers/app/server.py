@@ -53,6 +53,7 @@ from handlers.storage.buckets.build import build_buckets
 from handlers.storage.disks import DiskCommands
 from handlers.workloads.commands import WorkloadCommands
 from handlers.workloads.dispatch import Dispatcher
+from handlers.workloads.pending import PendingPolicy
 from handlers.workloads.persistence import managed_volumes_of
 from handlers.writes.cas import StateWriter
 from projections.cluster import ClusterProjection
@@ -118,7 +119,10 @@ class Scheduler:
                                           writer=self.writer, placer=self.placer,
                                           dispatcher=self.dispatcher, batcher=self.batcher,
                                           mode=self.mode,
-                                          clock=self.clock, layout=self.layout)
+                                          clock=self.clock, layout=self.layout,
+                                          pending=PendingPolicy(
+                                              store=settings.unplaceable == "pending",
+                                              max_pending=settings.pending_max))
         self.relocator = self.workloads.relocator
         self.redis = writer_client(self._redis_url()) if settings.redis_addr else None
         # telemetry gets its own connections: it must never take the ones events need

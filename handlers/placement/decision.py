@@ -24,6 +24,8 @@ import zlib
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from handlers.placement.refusals import no_fit_reason
+
 CPU_WEIGHT = 0.4
 MEM_WEIGHT = 0.4
 SPREAD_WEIGHT = 0.2
@@ -119,10 +121,7 @@ class PlacementDecision:
                 f"spread {best.spread:.3f})"
             )
         # "no suitable node" is what the Go e2e runner waits out (persys-facts, e2e step 3)
-        if not self.rejected:
-            return "no suitable node: no nodes registered"
-        parts = [f"{node}: {why}" for node, why in sorted(self.rejected.items())]
-        return "no suitable node: " + "; ".join(parts)
+        return no_fit_reason(self.rejected)
 
 
 def refusal(

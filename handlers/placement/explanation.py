@@ -10,7 +10,6 @@ candidates with their score's parts, and a sample of the refusals in full.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,50 +23,12 @@ from handlers.placement.decision import (
     score,
     taint_penalty,
 )
+from handlers.placement.refusals import count_refusals, fit_summary
 
 #: refusals returned in full, at most
 SAMPLE_MAX = 20
 #: candidates returned with their score's parts, at most
 TOP_MAX = 50
-#: statuses that mean an operator is emptying the node
-DRAINING_STATUSES = frozenset({"draining", "drained"})
-
-
-def refusal_kind(reason: str) -> str:
-    """The reason a refusal is counted under: ``refusal``'s text without its particulars.
-
-    "insufficient cpu: free 500m < 2000m" -> "insufficient cpu";
-    "taint gpu=yes:NoSchedule" -> "tainted NoSchedule"; "status Draining" -> "draining".
-    """
-    for prefix in ("insufficient cpu", "insufficient memory"):
-        if reason.startswith(prefix):
-            return prefix
-    if reason.startswith("taint "):
-        return "tainted " + reason.rsplit(":", 1)[-1]
-    if reason.startswith("status "):
-        status = reason.removeprefix("status ")
-        return "draining" if status.lower() in DRAINING_STATUSES else f"status {status}"
-    if reason.startswith("label "):
-        return "node selector not matched"
-    if reason.startswith("workload type "):
-        return "workload type not supported"
-    if reason.startswith("storage driver "):
-        return "storage driver not supported"
-    return reason
-
-
-def count_refusals(rejected: Mapping[str, str]) -> tuple[tuple[str, int], ...]:
-    """Refusals counted by kind, most first (ties by name, so the order is stable)."""
-    counts = Counter(refusal_kind(why) for why in rejected.values())
-    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def fit_summary(total: int, fit: int, refusals: Sequence[tuple[str, int]]) -> str:
-    """One line: "0/20 nodes fit: 12 insufficient cpu, 5 tainted NoSchedule, 3 draining"."""
-    line = f"{fit}/{total} nodes fit"
-    if refusals:
-        line += ": " + ", ".join(f"{n} {kind}" for kind, n in refusals)
-    return line
 
 
 @dataclass(frozen=True, slots=True)

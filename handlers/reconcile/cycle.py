@@ -37,6 +37,7 @@ from handlers.reconcile.agentcalls import AgentCalls
 from handlers.reconcile.bookkeeping import ActionResult, CycleBook, CycleMemory, CycleReport
 from handlers.reconcile.disruption import EvictionGate
 from handlers.reconcile.parts import SchedulerParts
+from handlers.reconcile.pending import PendingPlacer, Tried
 from handlers.reconcile.planner.cycle import CyclePlan, SteadyNodes
 from handlers.reconcile.planner.inputs import NodeObservation, NodeView
 from handlers.reconcile.planner.workload import (
@@ -84,6 +85,8 @@ class ReconcileLoop(LoopShell):
         self.status_writes = StatusWrites(self)
         self.relocations = Relocations(self, self.status_writes)
         self.agent_calls = AgentCalls(self, self.status_writes, self.relocations)
+        #: the placements of unassigned workloads, this cycle's and between cycles
+        self.pending = PendingPlacer(self, self.relocations)
         self.remediation = DriftRemediation(self, self.agent_calls)
 
     @property
@@ -204,7 +207,7 @@ class ReconcileLoop(LoopShell):
                 return await self.agent_calls.delete(action.workload_id, action.node_id, views,
                                                      report, finalize=True)
             if kind == PLACE:
-                return await self.relocations.place(action.workload_id, now)
+                return await self.pending.attempt(action.workload_id, now) is Tried.PLACED
             if kind == FAILOVER:
                 return await self.relocations.failover(action, now)
             if kind in (REAPPLY, APPLY_STOPPED):

@@ -44,6 +44,13 @@ def register_loops(scheduler: SchedulerParts) -> None:
     monitor = NodeMonitor(scheduler, monitor_interval_s(settings), evictions)
     scheduler.leader.add_loop(reconcile.name, settings.reconcile_interval_s, reconcile)
     scheduler.leader.on_loss.append(reconcile.forget)
+    leader = scheduler.leader
+
+    def place_pending() -> None:
+        # a task of the leadership group: cancelled and awaited when leadership ends
+        leader.spawn(reconcile.pending.run(), name=f"leader:{reconcile.pending.name}")
+
+    leader.on_gain.append(place_pending)
     scheduler.leader.add_loop(monitor.name, monitor.interval_s, monitor)
     if settings.drift_detect_interval_s > 0:
         drift = DriftTrigger(reconcile, settings.drift_detect_interval_s)

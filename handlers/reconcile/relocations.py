@@ -10,6 +10,7 @@ around it; agent calls (``handlers.reconcile.agentcalls``) and status writes
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 
 from eventsource.commit import Change, retry_on_conflict
@@ -35,6 +36,19 @@ LEGACY_WORKLOAD_TYPES = ("container", "compose")
 MESSAGE_CHARS = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """What a placement attempt did: ``placed``, or why no node fits (``refused``; "" when
+    the workload was not one to place: gone, deleted, placed meanwhile, disks split)."""
+
+    placed: bool
+    refused: str = ""
+
+
+PLACED = Placement(True)
+NOT_ELIGIBLE = Placement(False)
+
+
 class Relocations:
     """Placement, failover and the runtime-unsupported unassignment of the reconcile cycle."""
 
@@ -47,18 +61,18 @@ class Relocations:
         self.workloads = shell.workloads
         self.status_writes = status_writes
 
-    async def place(self, workload_id: str, now: datetime) -> bool:
+    async def place(self, workload_id: str, now: datetime) -> Placement:
         """Place an unassigned workload (its disks follow it) and dispatch its apply."""
         c = self.workloads
 
-        async def attempt(n: int) -> bool:
+        async def attempt(n: int) -> Placement:
             spec_item = self.cluster.specs.get(workload_id)
             status_item = self.cluster.statuses.get(workload_id)
             if spec_item is None or status_item is None or node_of(status_item.value):
-                return False
+                return NOT_ELIGIBLE
             spec = spec_item.value
             if normalize_desired_state(spec.desired_state) == "Deleted":
-                return False
+                return NOT_ELIGIBLE
             status = copy_record(status_item.value)
             # its local disks pin it to their node, and its disks follow it; read before
             # deciding: no await between the decision and its reservation
@@ -66,12 +80,12 @@ class Relocations:
             if pin is None:
                 log.debug("reconcile: workload_id=%s has local disks on different nodes",
                           workload_id)
-                return False
+                return NOT_ELIGIBLE
             placed = c.assigner.place(spec, status, only=pin)
             if isinstance(placed, Outcome):
                 log.debug("reconcile: no node fits workload_id=%s: %s", workload_id,
                           placed.message)
-                return False
+                return Placement(False, placed.message if placed.unplaced else "")
             mark_apply_requested(placed.status, spec, rfc3339(now))
             change = placed.change
             change.kind = "reconcile"
@@ -107,7 +121,7 @@ class Relocations:
             self.dispatcher.apply(spec, placed.status.metadata, placed.node_id,
                                   spec.desired_state, after=committed.revision,
                                   leader_only=True)
-            return True
+            return PLACED
 
         return await retry_on_conflict(attempt)
 

@@ -55,6 +55,7 @@ def default_instance_id() -> str:
 
 
 EVENT_LOOPS = ("uvloop", "asyncio")
+UNPLACEABLE_MODES = ("pending", "refuse")
 
 #: LOG_LEVEL values: the Go version's logrus names and Python's, each to the Python level used
 LOG_LEVELS = {
@@ -149,6 +150,11 @@ class Settings:
     log_format: str = "json"
     #: ``uvloop`` (libuv-based, cheaper per callback) or ``asyncio`` (the standard loop)
     event_loop: str = "uvloop"
+    #: what an ApplyWorkload that fits no node does: ``pending`` (stored, placed when capacity
+    #: appears, as in the Go version) or ``refuse`` (nothing stored)
+    unplaceable: str = "pending"
+    #: pending workloads at most; past it an unplaceable apply is refused
+    pending_max: int = 10_000
 
     @property
     def etcd_tls(self) -> EtcdTls | None:
@@ -282,6 +288,9 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
     event_loop = r.text("SCHEDULER_EVENT_LOOP", "uvloop").lower()
     if event_loop not in EVENT_LOOPS:
         raise ConfigError(f"SCHEDULER_EVENT_LOOP: {event_loop!r} is not 'uvloop' or 'asyncio'")
+    unplaceable = r.text("SCHEDULER_UNPLACEABLE", "pending").lower()
+    if unplaceable not in UNPLACEABLE_MODES:
+        raise ConfigError(f"SCHEDULER_UNPLACEABLE: {unplaceable!r} is not 'pending' or 'refuse'")
     log_level = r.text("LOG_LEVEL", "info").lower()
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"LOG_LEVEL: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
@@ -361,6 +370,8 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         agent_delete_timeout_s=r.duration("SCHEDULER_AGENT_DELETE_TIMEOUT", 60.0),
         agent_status_poll_interval_s=r.duration("SCHEDULER_AGENT_STATUS_POLL_INTERVAL", 1.0),
         reconcile_interval_s=r.duration("SCHEDULER_RECONCILE_INTERVAL", 5.0, allow_zero=False),
+        unplaceable=unplaceable,
+        pending_max=r.integer("SCHEDULER_PENDING_MAX", 10_000, minimum=0, maximum=10_000_000),
         reconcile_concurrency=r.integer("SCHEDULER_RECONCILE_CONCURRENCY", 64, minimum=1,
                                     maximum=4096),
         drift_detect_interval_s=r.duration("SCHEDULER_DRIFT_DETECT_INTERVAL", 300.0),

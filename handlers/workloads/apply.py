@@ -36,20 +36,27 @@ class ApplyCommand:
         if frozen is not None:
             return frozen
 
+        store_pending = False
+
         async def attempt(n: int) -> Outcome:
             existing = self.cluster.specs.get(parsed.workload_id)
             if existing is None:
                 if parsed.spec is None:
                     return Outcome(False, "INVALID_SPEC",
                                    "spec: required for a workload that does not exist")
-                return await self.create.run(parsed)
-            return await self.update.run(parsed)
+                return await self.create.run(parsed, store_pending=store_pending)
+            return await self.update.run(parsed, store_pending=store_pending)
 
         try:
             outcome = await retry_on_conflict(attempt, attempts=8)
-            if outcome.failure == "INSUFFICIENT_RESOURCES" and await self._caught_up():
+            if outcome.unplaced and await self._caught_up():
                 # the refusal may come from a view older than a node registered a moment ago
                 # (on another replica): decide once more on a view as new as etcd's
+                outcome = await retry_on_conflict(attempt, attempts=8)
+            if outcome.unplaced:
+                # it fits nowhere now: store it Pending (handlers.workloads.pending), deciding
+                # once more in the same attempt, so a node that appeared meanwhile takes it
+                store_pending = True
                 outcome = await retry_on_conflict(attempt, attempts=8)
             return outcome
         except Conflict:

@@ -22,6 +22,7 @@ from handlers.placement.decision import PlacementRequest, canonical_driver
 from handlers.placement.placer import Placer
 from handlers.specs.stored import request_of
 from handlers.workloads.outcome import Outcome
+from handlers.workloads.pending import clear_pending
 from projections.cluster import ClusterProjection
 
 
@@ -76,8 +77,8 @@ class Assigner:
             if only:
                 return Outcome(False, "INSUFFICIENT_RESOURCES",
                                f"its local disk is on node {only!r}, which cannot take it: "
-                               f"{decision.reason or 'node not found'}")
-            return Outcome(False, "INSUFFICIENT_RESOURCES", decision.reason)
+                               f"{decision.reason or 'node not found'}", unplaced=True)
+            return Outcome(False, "INSUFFICIENT_RESOURCES", decision.reason, unplaced=True)
         node_id = decision.node_id
         node_item = self.cluster.nodes.get(node_id)
         alloc_item = self.cluster.allocations.get(node_id)
@@ -100,6 +101,7 @@ class Assigner:
         status.status_info.last_updated = now
         status.metadata["last_action"] = "Assigned"
         status.metadata["assignment_reason"] = decision.reason
+        clear_pending(status)
         assignment = Assignment(workload_id=spec.id, node_id=node_id, reason=decision.reason,
                                 created_at=now)
         change = Change(

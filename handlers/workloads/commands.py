@@ -23,6 +23,7 @@ from handlers.workloads.create import CreateCommand
 from handlers.workloads.delete import DeleteCommand
 from handlers.workloads.dispatch import Dispatcher
 from handlers.workloads.outcome import Outcome
+from handlers.workloads.pending import PendingPolicy
 from handlers.workloads.readback import ReadBack
 from handlers.workloads.relocation import Relocator
 from handlers.workloads.retry_command import RetryCommand
@@ -46,6 +47,7 @@ class WorkloadCommands:
         mode: ModeState,
         clock: Clock,
         layout: KeyLayout,
+        pending: PendingPolicy | None = None,
     ) -> None:
         self.cluster = cluster
         self.placer = placer
@@ -61,7 +63,8 @@ class WorkloadCommands:
                                           mode=mode, clock=clock)
         create = CreateCommand(cluster=cluster, committer=committer, placer=placer,
                                assigner=self.assigner, batcher=batcher, dispatcher=dispatcher,
-                               readback=readback, clock=clock, layout=layout)
+                               readback=readback, clock=clock, layout=layout,
+                               pending=pending or PendingPolicy())
         update = UpdateCommand(cluster=cluster, committer=committer, assigner=self.assigner,
                                relocator=self.relocator, delete=self.delete_command,
                                dispatcher=dispatcher, readback=readback, clock=clock,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 
 from eventsource.clock import Clock
-from eventsource.commit import Committer
+from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, OutcomeUnknown
 from eventsource.etcd import Compare, Put
 from eventsource.events import Event, rfc3339
 from eventsource.keys import KeyLayout
-from eventsource.records import RetryState, StatusInfo, WorkloadStatus, copy_record
+from eventsource.records import RetryState, StatusInfo, WorkloadSpec, WorkloadStatus, copy_record
 from handlers.placement.batcher import Intent, PlacementBatcher
 from handlers.placement.placer import Placer
 from handlers.specs.fields import InvalidSpec
@@ -27,6 +27,7 @@ from handlers.storage.attachments import disk_ids_of, load_disks, plan_attach
 from handlers.workloads.assignment import Assigner
 from handlers.workloads.dispatch import Dispatcher
 from handlers.workloads.outcome import Outcome, catch_up
+from handlers.workloads.pending import PendingPolicy, mark_pending, pending_answer
 from handlers.workloads.readback import ReadBack
 from handlers.workloads.records import mark_apply_requested, stored_records
 from handlers.workloads.volumes import add_volumes, inline_volume_clash
@@ -40,7 +41,9 @@ class CreateCommand:
 
     def __init__(self, *, cluster: ClusterProjection, committer: Committer, placer: Placer,
                  assigner: Assigner, batcher: PlacementBatcher, dispatcher: Dispatcher,
-                 readback: ReadBack, clock: Clock, layout: KeyLayout) -> None:
+                 readback: ReadBack, clock: Clock, layout: KeyLayout,
+                 pending: PendingPolicy) -> None:
+        self.pending = pending
         self.cluster = cluster
         self.committer = committer
         self.placer = placer
@@ -51,7 +54,9 @@ class CreateCommand:
         self.clock = clock
         self.layout = layout
 
-    async def run(self, parsed: ParsedApply) -> Outcome:
+    async def run(self, parsed: ParsedApply, *, store_pending: bool = False) -> Outcome:
+        """Place and store the new workload; with ``store_pending``, one that fits nowhere is
+        stored Pending (``handlers.workloads.pending``) unless the policy refuses it."""
         assert parsed.spec is not None
         spec = copy_record(parsed.spec)
         clash = await inline_volume_clash(self.committer.etcd, self.layout, spec)
@@ -79,6 +84,8 @@ class CreateCommand:
         )
         placed = self.assigner.place(spec, status, only=disks.node_id if disks else "")
         if isinstance(placed, Outcome):
+            if placed.unplaced and store_pending:
+                return await self._store_pending(spec, status, placed, with_disks=bool(disks))
             return placed
         mark_apply_requested(placed.status, spec, now)
         stored = stored_records(spec, placed.status)
@@ -130,3 +137,38 @@ class CreateCommand:
         log.debug("workload placed workload_id=%s node_id=%s revision=%d reason=%r",
                   spec.id, placed.node_id, revision, placed.reason)
         return Outcome(True, node_id=placed.node_id, message=placed.reason)
+
+    async def _store_pending(self, spec: WorkloadSpec, status: WorkloadStatus,
+                             refused: Outcome, *, with_disks: bool) -> Outcome:
+        """Store the spec and a Pending status (no node, no allocation) in one create-only
+        transaction with its ``WorkloadPending`` event."""
+        why_not = ("its disks are attached at placement (apply it when its node has room)"
+                   if with_disks else self.pending.refusal(len(self.cluster.workloads.unassigned)))
+        if why_not:
+            return Outcome(False, refused.failure, f"{refused.message} (not stored: {why_not})",
+                           unplaced=True)
+        event = mark_pending(status, spec.id, refused.message, self.clock.now())
+        stored = stored_records(spec, status)
+        if isinstance(stored, Outcome):
+            return stored
+        spec_bytes, status_bytes = stored
+        change = Change(
+            kind="workload",
+            compares=[Compare.absent(self.layout.spec(spec.id)),
+                      Compare.absent(self.layout.status(spec.id))],
+            puts=[Put(self.layout.spec(spec.id), spec_bytes, category="spec"),
+                  Put(self.layout.status(spec.id), status_bytes, category="status")],
+            events=[event] if event is not None else [])
+        try:
+            await self.committer.commit(change)
+        except Conflict as exc:
+            await catch_up(self.cluster, exc)
+            raise
+        except OutcomeUnknown:
+            status_key = self.layout.status(spec.id)
+            if not await self.readback.resolve(
+                    lambda: self.readback.created(status_key, status_bytes),
+                    lambda revision: None, what=f"pending store of {spec.id}"):
+                raise
+        log.info("workload stored pending workload_id=%s reason=%r", spec.id, refused.message)
+        return pending_answer(refused.message)

@@ -23,6 +23,8 @@ class Outcome:
     failure: str = ""
     message: str = ""
     node_id: str = ""
+    #: no node could take the workload (the answer may still say it was stored Pending)
+    unplaced: bool = False
 
 
 def refused_while_frozen(mode: ModeState) -> Outcome | None:

@@ -24,6 +24,7 @@ from handlers.workloads.delete import DeleteCommand
 from handlers.workloads.desired_state import set_desired_state
 from handlers.workloads.dispatch import Dispatcher
 from handlers.workloads.outcome import Outcome, catch_up
+from handlers.workloads.pending import mark_pending, pending_answer
 from handlers.workloads.readback import ReadBack
 from handlers.workloads.records import TERMINAL_KEYS, mark_apply_requested, stored_records
 from handlers.workloads.relocation import Relocator
@@ -48,7 +49,9 @@ class UpdateCommand:
         self.clock = clock
         self.layout = layout
 
-    async def run(self, parsed: ParsedApply) -> Outcome:
+    async def run(self, parsed: ParsedApply, *, store_pending: bool = False) -> Outcome:
+        """Update the workload; with ``store_pending``, an unassigned one that still fits
+        nowhere keeps (or becomes) Pending with the update stored."""
         spec_item = self.cluster.specs.get(parsed.workload_id)
         status_item = self.cluster.statuses.get(parsed.workload_id)
         if spec_item is None or status_item is None:
@@ -58,6 +61,7 @@ class UpdateCommand:
         status = copy_record(status_item.value)
         now = rfc3339(self.clock.now())
         events: list[Event] = []
+        pending: Outcome | None = None
         compares = [Compare.mod(self.layout.spec(spec.id), spec_item.mod_revision),
                     Compare.mod(self.layout.status(spec.id), status_item.mod_revision)]
         puts: list[Put] = []
@@ -94,15 +98,26 @@ class UpdateCommand:
                                "its local disks are on different nodes")
             placed = self.assigner.place(spec, status, only=pin)
             if isinstance(placed, Outcome):
-                return placed
-            compares += placed.change.compares
-            puts += placed.change.puts
-            disk_compares, disk_puts = self.relocator.move_disks(
-                disks, spec.id, from_node=str(status.metadata.get("previous_node") or ""),
-                to_node=placed.node_id)
-            compares += disk_compares
-            puts += disk_puts
-            status = placed.status
+                if not (placed.unplaced and store_pending):
+                    return placed
+                unchanged = (spec.revision_id == old_spec.revision_id
+                             and spec.desired_state == old_spec.desired_state)
+                status = copy_record(status_item.value) if unchanged else status
+                news = mark_pending(status, spec.id, placed.message, self.clock.now())
+                if unchanged and news is None:
+                    return pending_answer(placed.message)  # nothing new to store
+                if news is not None:
+                    events.append(news)
+                pending = pending_answer(placed.message)
+            else:
+                compares += placed.change.compares
+                puts += placed.change.puts
+                disk_compares, disk_puts = self.relocator.move_disks(
+                    disks, spec.id, from_node=str(status.metadata.get("previous_node") or ""),
+                    to_node=placed.node_id)
+                compares += disk_compares
+                puts += disk_puts
+                status = placed.status
         if status.node_id and spec.desired_state != "Deleted":
             mark_apply_requested(status, spec, now)
         stored = stored_records(spec, status)
@@ -132,7 +147,7 @@ class UpdateCommand:
                     lambda: self.readback.holds(spec_key, spec_bytes, after=before),
                     dispatch, what=f"update of {spec.id}"):
                 raise
-        return Outcome(True, node_id=status.node_id, message="updated")
+        return pending or Outcome(True, node_id=status.node_id, message="updated")
 
     async def _take_new_spec(self, parsed: ParsedApply, old_spec: WorkloadSpec,
                              status: WorkloadStatus, now: str) -> WorkloadSpec | Outcome:

@@ -7,12 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from handlers.placement.decision import NodeInfo, PlacementRequest, place
-from handlers.placement.explanation import (
-    SAMPLE_MAX,
+from handlers.placement.explanation import SAMPLE_MAX, explain
+from handlers.placement.refusals import (
     count_refusals,
-    explain,
     fit_summary,
+    no_fit_reason,
     refusal_kind,
+    refusal_kinds,
 )
 
 TYPES = ["container", "compose", "vm"]
@@ -126,3 +127,14 @@ def test_the_explanation_agrees_with_the_placement(nodes, wid, wtype, cpu, mem, 
     assert len(got.candidates) == min(top, got.fit)
     scores = [(-c.scored.score, c.scored.node_id) for c in got.candidates]
     assert scores == sorted(scores)
+
+
+def test_a_no_fit_reason_counts_and_quotes_a_few_refusals() -> None:
+    rejected = {f"n{i:02d}": "insufficient cpu: free 0m < 500m" for i in range(10)}
+    rejected["d1"] = "status Draining"
+    text = no_fit_reason(rejected)
+    assert text.startswith("no suitable node: 0/11 nodes fit: 10 insufficient cpu, 1 draining")
+    assert "(e.g. d1: status Draining; n00: insufficient cpu: free 0m < 500m;" in text
+    assert text.endswith(", ...)")
+    assert refusal_kinds(text) == "draining, insufficient cpu"
+    assert no_fit_reason({}) == "no suitable node: no nodes registered"
