@@ -72,7 +72,7 @@ async def no_node_over_capacity(sched: Scheduler) -> None:
 async def test_pending_workloads_wait_and_are_placed_in_submission_order(
         etcd_server, redis_server, key_root, stream_key):
     settings = make_settings(etcd_server, redis_server, key_root, stream_key)
-    async with full_fleet(settings) as (sched, fleet, stub):
+    async with full_fleet(settings) as (sched, _fleet, stub):
         pending = [f"pending-{i:02d}" for i in range(50)]
         for wid in pending:
             resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
@@ -127,7 +127,7 @@ async def all_running(stub: Any, ids: list[str]) -> bool:
 async def test_a_huge_workload_at_the_head_does_not_block_smaller_ones(
         etcd_server, redis_server, key_root, stream_key):
     settings = make_settings(etcd_server, redis_server, key_root, stream_key)
-    async with full_fleet(settings) as (sched, fleet, stub):
+    async with full_fleet(settings) as (_sched, _fleet, stub):
         huge = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
             workload_id="huge", spec=container_spec(cpu_m=64_000)))
         assert "stored as Pending" in huge.error_message
@@ -145,7 +145,7 @@ async def test_a_huge_workload_at_the_head_does_not_block_smaller_ones(
 async def test_pending_max_and_refuse_are_honoured(etcd_server, redis_server, key_root,
                                                    stream_key):
     settings = make_settings(etcd_server, redis_server, key_root, stream_key, pending_max=2)
-    async with full_fleet(settings) as (sched, fleet, stub):
+    async with full_fleet(settings) as (sched, _fleet, stub):
         for i in range(2):
             resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
                 workload_id=f"p{i}", spec=container_spec(cpu_m=SMALL)))
@@ -162,7 +162,7 @@ async def test_pending_max_and_refuse_are_honoured(etcd_server, redis_server, ke
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     refuse = make_settings(etcd_server, redis_server, key_root + "-refuse", stream_key,
                            unplaceable="refuse")
-    async with full_fleet(refuse) as (sched, fleet, stub):
+    async with full_fleet(refuse) as (sched, _fleet, stub):
         resp = await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
             workload_id="r0", spec=container_spec(cpu_m=SMALL)))
         assert not resp.success
@@ -179,37 +179,40 @@ async def test_two_active_active_replicas_place_each_pending_workload_once(
                        shard_index=0, **common)
     s2 = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="r2",
                        shard_index=1, **common)
-    async with running_scheduler(s1) as a, running_scheduler(s2) as b:
-        async with running_fleet(f"127.0.0.1:{a.grpc_port}", NODES, behaviour=BEHAVIOUR) \
-                as fleet, control_stub(f"127.0.0.1:{a.grpc_port}") as stub_a, \
-                control_stub(f"127.0.0.1:{b.grpc_port}") as stub_b:
-            await fleet.wait_registered()
-            await wait_for(lambda: a.leader.is_leader and b.leader.is_leader, timeout=20)
-            await wait_for(lambda: len(b.cluster.alive.items) == NODES, timeout=15)
-            for i in range(NODES * 4):
-                resp = await (stub_a if i % 2 else stub_b).ApplyWorkload(
-                    pb.ApplyWorkloadRequest(workload_id=f"fill-{i:02d}",
-                                            spec=container_spec(cpu_m=SMALL)))
-                assert resp.success, resp.error_message
-            pending = [f"aa-{i:02d}" for i in range(20)]
-            await asyncio.gather(*((stub_a if i % 2 else stub_b).ApplyWorkload(
-                pb.ApplyWorkloadRequest(workload_id=wid, spec=container_spec(cpu_m=SMALL)))
-                for i, wid in enumerate(pending)))
-            for i in range(8):
-                await stub_a.DeleteWorkload(pb.DeleteWorkloadRequest(workload_id=f"fill-{i:02d}"))
-            await wait_for(lambda: _count(placed(stub_a, pending), 8), timeout=15)
-            assert len(await placed(stub_a, pending)) == 8
-            scheduled = [e.workload_id for e in await events_of(stub_a, "WorkloadScheduled")
-                         if e.workload_id in pending]
-            assert sorted(scheduled) == sorted(set(scheduled))  # each placed once
-            assert len(scheduled) == 8
-            await no_node_over_capacity(a)
+    async with (
+        running_scheduler(s1) as a,
+        running_scheduler(s2) as b,
+        running_fleet(f"127.0.0.1:{a.grpc_port}", NODES, behaviour=BEHAVIOUR) as fleet,
+        control_stub(f"127.0.0.1:{a.grpc_port}") as stub_a,
+        control_stub(f"127.0.0.1:{b.grpc_port}") as stub_b,
+    ):
+        await fleet.wait_registered()
+        await wait_for(lambda: a.leader.is_leader and b.leader.is_leader, timeout=20)
+        await wait_for(lambda: len(b.cluster.alive.items) == NODES, timeout=15)
+        for i in range(NODES * 4):
+            resp = await (stub_a if i % 2 else stub_b).ApplyWorkload(
+                pb.ApplyWorkloadRequest(workload_id=f"fill-{i:02d}",
+                                        spec=container_spec(cpu_m=SMALL)))
+            assert resp.success, resp.error_message
+        pending = [f"aa-{i:02d}" for i in range(20)]
+        await asyncio.gather(*((stub_a if i % 2 else stub_b).ApplyWorkload(
+            pb.ApplyWorkloadRequest(workload_id=wid, spec=container_spec(cpu_m=SMALL)))
+            for i, wid in enumerate(pending)))
+        for i in range(8):
+            await stub_a.DeleteWorkload(pb.DeleteWorkloadRequest(workload_id=f"fill-{i:02d}"))
+        await wait_for(lambda: _count(placed(stub_a, pending), 8), timeout=15)
+        assert len(await placed(stub_a, pending)) == 8
+        scheduled = [e.workload_id for e in await events_of(stub_a, "WorkloadScheduled")
+                     if e.workload_id in pending]
+        assert sorted(scheduled) == sorted(set(scheduled))  # each placed once
+        assert len(scheduled) == 8
+        await no_node_over_capacity(a)
 
 
 async def test_a_restart_of_every_replica_loses_no_pending_workload(
         etcd_server, redis_server, key_root, stream_key):
     settings = make_settings(etcd_server, redis_server, key_root, stream_key)
-    async with full_fleet(settings) as (sched, fleet, stub):
+    async with full_fleet(settings) as (_sched, _fleet, stub):
         for i in range(3):
             await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
                 workload_id=f"kept-{i}", spec=container_spec(cpu_m=SMALL)))
