@@ -50,8 +50,9 @@ _compact = json.JSONEncoder(separators=(",", ":")).encode
 #: KEYS: per snapshot its usage key, then per node its heartbeat key, then the meter stream
 #: last. ARGV: ttl, maxlen, meter on (1/0), one JSON array holding per snapshot [usage JSON,
 #: event id, node id, workload id, revision, reported at, meter payload], the heartbeat TTL, and
-#: one JSON array of heartbeat times (milliseconds since the epoch, as text) in the order of
-#: their keys: one argument for the batch instead of seven per snapshot, because redis-py packs
+#: one JSON array of heartbeats in the order of their keys, each [time, value]: the time in
+#: milliseconds since the epoch, the value that time followed by the node's reported CPU
+#: (millicores) and memory (MB) in use when the agent said, space-separated: one argument for the batch instead of seven per snapshot, because redis-py packs
 #: every argument in Python (at 500 heartbeats/s packing 3,500 arguments per batch was 9% of the
 #: scheduler's CPU) while Redis decodes the array in C. Entries have the Go version's fields. A
 #: heartbeat time replaces only an older one (another replica may have written a newer one).
@@ -72,9 +73,10 @@ for i = 1, n do
 end
 for j = 1, m do
   local key = KEYS[n + j]
-  local stored = tonumber(redis.call('GET', key) or '')
-  if stored == nil or stored < tonumber(beats[j]) then
-    redis.call('SET', key, beats[j], 'EX', ARGV[5])
+  local beat = beats[j]
+  local stored = tonumber(string.match(redis.call('GET', key) or '', '^%d+') or '')
+  if stored == nil or stored < tonumber(beat[1]) then
+    redis.call('SET', key, beat[2], 'EX', ARGV[5])
   end
 end
 return n
@@ -100,12 +102,24 @@ def _millis(moment: datetime) -> int:
 
 
 def _stored_millis(raw: str | bytes | None) -> int | None:
+    return _stored(raw)[0]
+
+
+def _stored(raw: str | bytes | None) -> tuple[int | None, Used | None]:
+    """A heartbeat key's value: ``"<ms>"`` or ``"<ms> <cpu used m> <memory used MB>"``."""
     if raw is None:
-        return None
+        return None, None
+    parts = (raw.decode() if isinstance(raw, bytes) else raw).split()
     try:
-        return int(raw)
+        ms = int(parts[0]) if parts else None
+        used = (int(parts[1]), int(parts[2])) if len(parts) >= 3 else None
     except ValueError:
-        return None
+        return None, None
+    return ms, used
+
+
+#: a node's own report of what it uses: (CPU millicores, memory MB)
+Used = tuple[int, int]
 
 
 class UsageSink:
@@ -150,8 +164,10 @@ class UsageSink:
         #: per node, the newest heartbeat this replica received (ms), least recently beating
         #: first (bounded: a node gone for good is forgotten once ``max_nodes`` others beat)
         self._seen: OrderedDict[str, int] = OrderedDict()
-        #: heartbeat times not yet sent: the newest per node
-        self._beats: dict[str, int] = {}
+        #: per node, the usage it last reported to this replica (with ``_seen``'s time)
+        self._used: dict[str, Used] = {}
+        #: heartbeats not yet sent: the newest per node, (ms, stored value)
+        self._beats: dict[str, tuple[int, str]] = {}
         #: heartbeat times dropped (batches Redis refused; the node's next heartbeat makes up)
         self.beats_dropped = 0
         #: until when (monotonic) reads leave Redis alone, after one failed
@@ -182,20 +198,25 @@ class UsageSink:
                                 node_id, workload_id, revision, stamp, payload))
         self._ready.set()
 
-    def heartbeat(self, node_id: str, at: datetime) -> None:
-        """Record that ``node_id``'s heartbeat (or registration) arrived ``at``; returns at
-        once. Only the newest time per node is kept and sent."""
+    def heartbeat(self, node_id: str, at: datetime, used: Used | None = None) -> None:
+        """Record that ``node_id``'s heartbeat (or registration) arrived ``at``, with the
+        usage the agent reported (``used``, when it said); returns at once. Only the newest
+        per node is kept and sent."""
         ms = _millis(at)
         seen = self._seen.get(node_id)
         if seen is None or ms > seen:
             self._seen[node_id] = ms
+            if used is not None:
+                self._used[node_id] = used
         self._seen.move_to_end(node_id)
         if len(self._seen) > self.max_nodes:
-            self._seen.popitem(last=False)
+            gone, _ = self._seen.popitem(last=False)
+            self._used.pop(gone, None)
         if self._script is None:
             return
-        if ms > self._beats.get(node_id, -1):
-            self._beats[node_id] = ms
+        if ms > self._beats.get(node_id, (-1, ""))[0]:
+            value = f"{ms} {used[0]} {used[1]}" if used is not None else str(ms)
+            self._beats[node_id] = (ms, value)
         self._ready.set()
 
     def heartbeat_seen_here(self, node_id: str) -> datetime | None:
@@ -205,10 +226,21 @@ class UsageSink:
 
     async def last_heartbeats(self, node_ids: Sequence[str]) -> dict[str, datetime]:
         """Per node, the newest heartbeat any replica recorded in Redis or this replica
-        received; nodes with neither are left out. One MGET for all of them, at most
-        ``read_timeout``; never raises (without an answer from Redis, this replica's memory
-        answers alone)."""
+        received; nodes with neither are left out (see ``last_reports``)."""
+        return {n: at for n, (at, _) in (await self.last_reports(node_ids)).items()}
+
+    def used_seen_here(self, node_id: str) -> Used | None:
+        """The usage ``node_id`` last reported to this replica (no Redis read)."""
+        return self._used.get(node_id)
+
+    async def last_reports(self, node_ids: Sequence[str]
+                           ) -> dict[str, tuple[datetime, Used | None]]:
+        """Per node, its newest heartbeat that any replica recorded in Redis or this replica
+        received, with the usage it reported then (None when it did not say). One MGET for
+        all of them, at most ``read_timeout``; never raises (without an answer from Redis,
+        this replica's memory answers alone)."""
         newest = {n: ms for n in node_ids if (ms := self._seen.get(n)) is not None}
+        used = {n: u for n in newest if (u := self._used.get(n)) is not None}
         if self.client is not None and node_ids and self._monotonic() >= self._reads_off_until:
             try:
                 async with asyncio.timeout(self.read_timeout):
@@ -220,10 +252,13 @@ class UsageSink:
                             "this replica's own are shown): %r", self.read_backoff_s, exc)
             else:
                 for node_id, raw in zip(node_ids, stored, strict=True):
-                    ms = _stored_millis(raw)
+                    ms, reported = _stored(raw)
                     if ms is not None and ms > newest.get(node_id, -1):
                         newest[node_id] = ms
-        return {n: _EPOCH + timedelta(milliseconds=ms) for n, ms in newest.items()}
+                        if reported is not None:
+                            used[node_id] = reported
+        return {n: (_EPOCH + timedelta(milliseconds=ms), used.get(n))
+                for n, ms in newest.items()}
 
     async def run(self) -> None:
         """The writer task: send what is queued, a batch per script call."""
@@ -241,7 +276,7 @@ class UsageSink:
             out.append(self._queue.popleft())
         return out
 
-    def _take_beats(self) -> dict[str, int]:
+    def _take_beats(self) -> dict[str, tuple[int, str]]:
         if len(self._beats) <= self.batch:
             out, self._beats = self._beats, {}
             return out
@@ -250,7 +285,7 @@ class UsageSink:
             del self._beats[node_id]
         return out
 
-    async def _send(self, batch: list[Snapshot], beats: dict[str, int]) -> None:
+    async def _send(self, batch: list[Snapshot], beats: dict[str, tuple[int, str]]) -> None:
         assert self._script is not None
         keys = [s[0] for s in batch]
         keys += [f"{self.heartbeat_prefix}{node_id}" for node_id in beats]
@@ -258,7 +293,7 @@ class UsageSink:
         args: list[str | int] = [self.ttl_s, self.meter_maxlen, 1 if self.meter_enabled else 0,
                                  _compact([snapshot[1:] for snapshot in batch]),
                                  self.heartbeat_ttl_s,
-                                 _compact([str(ms) for ms in beats.values()])]
+                                 _compact([[str(ms), value] for ms, value in beats.values()])]
         try:
             async with asyncio.timeout(self.timeout):
                 await self._script(keys=keys, args=args)
