@@ -1,7 +1,7 @@
 """Configuration: environment variables -> one frozen ``Settings``.
 
-Names and defaults are the Go scheduler's (persys-facts section F) plus the ones
-ARCHITECTURE.md adds. Unlike the Go version, an invalid value is not silently replaced by the
+Names and defaults are the Go scheduler's plus the ones added here (docs/compatibility.md,
+"Environment variables"). Unlike the Go version, an invalid value is not silently replaced by the
 default: ``load_settings`` raises ``ConfigError`` naming the variable and the reason, and the
 process refuses to start. Durations accept a Go duration string (``1m30s``) or integer seconds.
 """
