@@ -567,7 +567,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
                                                                        mutating=True)
         return result
 
-    # -- buckets (Ceph RGW + Vault; handlers/storage/buckets.py) -----------------------------------
+    # -- buckets (Ceph RGW + Vault; handlers/storage/buckets/) ------------------------------------
     async def _bucket_call(self, context: grpc.aio.ServicerContext, body: Any) -> Any:
         if self.buckets is None:
             await context.abort(

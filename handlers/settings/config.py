@@ -108,7 +108,8 @@ class Settings:
     tls_key: str = DEFAULT_TLS_KEY
     vault_enabled: bool = False
     agent_tls_enabled: bool = True
-    #: common names of agent certificates, and how a node is tied to its caller (handlers/authz)
+    #: common names of agent certificates, and how a node is tied to its caller
+    #: (handlers/identity/authz.py)
     agent_cert_names: tuple[str, ...] = DEFAULT_AGENT_CERT_NAMES
     operator_cert_names: tuple[str, ...] = ()
     node_binding: NodeBinding = NodeBinding.ENDPOINT
