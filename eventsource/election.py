@@ -1,18 +1,19 @@
 """Leases and the Go version's election protocol (etcd ``concurrency.Election``) on AsyncEtcd.
 
-Why it exists: the scheduler must share leadership with Go replicas (ARCHITECTURE section 4),
+Why it exists: the scheduler must share leadership with Go replicas,
 so it speaks exactly the protocol of ``go.etcd.io/etcd/client/v3/concurrency``: a candidate puts
 ``<prefix>/<lease id in lowercase hex>`` with its lease (create-if-absent), and the key with the
 lowest ``create_revision`` under ``<prefix>/`` leads; everybody else waits for the deletion of
 the newest key created before its own. The leader's fencing token is its key's
 ``create_revision`` (the *term*); every leader-only write carries :meth:`Leadership.fence`.
+See docs/architecture.md, "Leadership, sharding and liveness".
 
 Invariants:
 
 * A :class:`Session` owns exactly one lease and one keepalive task. ``lost`` is set once and never
   cleared: when etcd says the lease is gone, when renewal has failed for a whole TTL, or when the
-  session is closed. A lost session is never revived; callers create a new one (STYLE 5.11 #10:
-  never re-grant a lease while keeping the role).
+  session is closed. A lost session is never revived; callers create a new one (never
+  re-grant a lease while keeping the role: docs/architecture.md, "Client rules").
 * ``last_renew_sent`` is the monotonic time at which the last *successful* keepalive (or the
   grant) was *sent*: the lease is certainly alive until ``last_renew_sent + ttl`` on etcd's
   clock, which is what :meth:`Session.renew_deadline_ok` relies on.
@@ -24,11 +25,11 @@ Invariants:
 * Every remote call is bounded: AsyncEtcd's own timeout, plus explicit ``asyncio.timeout`` where
   the TTL demands a tighter bound.
 
-Caveat kept on purpose (persys-facts, known bug 10): Go ranges the whole ``<prefix>/``, so the
+Caveat kept on purpose: Go ranges the whole ``<prefix>/``, so the
 failover prefix ``/persys/scheduler/leader`` also sees the shard campaigners under
 ``/persys/scheduler/leader/shard-<i>/``. We keep that semantics exactly (a Go and a Python
 replica must never both lead); the consequence is that mixed failover/active-active fleets are
-not supported.
+not supported (docs/compatibility.md, "Election prefix overlap").
 """
 
 from __future__ import annotations
@@ -266,7 +267,9 @@ class Leadership:
         return self.create_revision
 
     def fence(self) -> list[Compare]:
-        """Compares that hold only while this leadership does (ARCHITECTURE section 4)."""
+        """Compares that hold only while this leadership does.
+
+        The fence of docs/architecture.md, "Leadership, sharding and liveness"."""
         return [
             Compare.created_at(self.key, self.create_revision),
             Compare.lease_is(self.key, self.lease_id),

@@ -1,7 +1,7 @@
 """Client TLS for etcd: a CA to verify the members, and a client certificate for members run
 with ``--client-cert-auth``.
 
-The Go scheduler had no etcd TLS (persys-facts I.21: etcd "plaintext, no auth" in compose), so
+The Go scheduler had no etcd TLS (docs/compatibility.md, "etcd TLS"), so
 its state, including every node's address and every workload spec, crossed the network in the
 clear to anyone who could reach port 2379. The files are read again for each new connection,
 so rotated certificates are used without a restart (connections are kept alive, so that is

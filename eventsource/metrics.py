@@ -1,7 +1,8 @@
 """Prometheus metrics, built per process by the composition root (no module-level registry).
 
-Names follow persys-facts section G where the Go version had them and STYLE.md 5.10 for the new
-ones (the benchmark reads these exact names). No per-node or per-workload labels.
+Names follow docs/compatibility.md, "Metrics": the Go version's where it had them, and fixed
+names for the new ones (the benchmark reads these exact names). No per-node or per-workload
+labels.
 
 The Go families and where they are filled: ``grpc_server_*`` (``handlers/api/metrics.py``),
 ``agent_rpc_*`` (``handlers/agents/pool.py``), ``reconciliation_results_total`` and

@@ -107,7 +107,9 @@ class Node:
 
 @record
 class WorkloadSpec:
-    """``/workloads-spec/<id>``. ``managedVolumes`` is kept for every type (Go bug I6)."""
+    """``/workloads-spec/<id>``. ``managedVolumes`` is kept for every type.
+
+    Go lost it for non-VM workloads (docs/compatibility.md, "Lost spec fields")."""
 
     id: str = ""
     name: str = ""
@@ -166,7 +168,8 @@ class StatusInfo:
 
 @record
 class WorkloadStatus:
-    """``/workloads-status/<id>``. ``logs`` is kept bounded (Go bug I3)."""
+    """``/workloads-status/<id>``. ``logs`` is kept bounded (docs/compatibility.md,
+    "Status log growth")."""
 
     id: str = ""
     assigned_node: str = field(default="", metadata=_name("assignedNode"))
@@ -193,7 +196,8 @@ class Assignment:
 
 @record
 class Allocation:
-    """``/allocations/<node id>``: what is committed to a node (ours; see ARCHITECTURE 7).
+    """``/allocations/<node id>``: what is committed to a node (ours; docs/architecture.md,
+    "Placement model").
 
     ``workloads`` maps workload id -> [cpu millicores, memory MB], so a release is idempotent and
     the sums can always be recomputed.

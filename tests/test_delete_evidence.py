@@ -1,6 +1,6 @@
 """A delete is finalised only on evidence that the agent no longer holds the workload
-(persys-facts I5: the Go scheduler took any error text containing "not found" for "the workload
-is gone", and removed the state of workloads its agents still ran).
+(docs/compatibility.md, "Not-found deletes": the Go scheduler took any error text containing
+"not found" for "the workload is gone", and removed the state of workloads its agents still ran).
 
 Evidence is: ``success=true``, a gRPC ``NOT_FOUND``, or the agent not holding it any more
 (``GetWorkloadStatus`` answering ``NOT_FOUND``, or, for Go agents that answer a missing

@@ -1,4 +1,5 @@
-"""Disks named by workloads (``persys.disk.ids``): the pure decisions of handlers/diskattach."""
+"""Disks named by workloads (``persys.disk.ids``): the pure decisions of
+handlers/storage/attachments.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Pure tests of the drift classification (E7: orphans, duplicates, adoption, the deduper) and
-the node monitor's plan (E1: lost nodes, nodes to collect).
+"""Pure tests of the drift classification (orphans, duplicates, adoption, the deduper) and the
+node monitor's plan (lost nodes, nodes to collect): docs/compatibility.md, "Drift detection",
+"Drift adoption" and "Node lifecycle".
 
 No sockets and no clock: every decision takes ``now``.
 """
@@ -45,7 +46,7 @@ from tests.fixtures.planning import (
     status,
 )
 
-# -- E7 drift --------------------------------------------------------------------------------
+# -- drift -----------------------------------------------------------------------------------
 
 def drift_world() -> tuple[dict[str, WorkloadSpec], dict[str, WorkloadStatus],
                            dict[str, NodeView]]:
@@ -100,7 +101,7 @@ def test_classify_each_drift_type() -> None:
         ("n2", "dead-owner", ORPHAN, FAILOVER_REASSIGN),
         ("n2", "ghost-owner", ORPHAN, REASSIGN_MISSING_OWNER),
     }
-    # "fresh" was applied a second ago: not missing yet (I13); "moved" was adopted by n2, so
+    # "fresh" was applied a second ago: not missing yet (in flight); "moved" was adopted by n2, so
     # it is not also reported missing on n1
 
 
@@ -200,7 +201,7 @@ def test_deduper_never_exceeds_its_bound(keys: list[tuple[int, float]]) -> None:
         assert len(dedup) <= 8
 
 
-# -- E1 node monitor -------------------------------------------------------------------------
+# -- node monitor ----------------------------------------------------------------------------
 
 def test_node_monitor_plan() -> None:
     checks = [

@@ -119,7 +119,8 @@ async def test_failover_when_the_leader_lease_expires(etcd, prefix, sessions, ke
     await first.close(revoke=False)  # what a crash looks like: the lease runs out
     async with asyncio.timeout(TTL + 3):
         new = await waiting
-    # ARCHITECTURE 4: about TTL + 1 s (etcd's expiry check + the campaign); slack for load
+    # docs/architecture.md, "Leadership, sharding and liveness": about TTL + 1 s (etcd's
+    # expiry check + the campaign); slack for load
     assert time.monotonic() - started < TTL + 2
     assert not await fenced_put(etcd, old, f"{key_root}/fenced")
     assert await fenced_put(etcd, new, f"{key_root}/fenced")

@@ -94,8 +94,9 @@ async def test_a_replica_with_other_shard_settings_fails_at_start_and_leads_noth
         etcd_server, redis_server, key_root, stream_key) -> None:
     """A rolling change of SCHEDULER_SHARD_COUNT (2 -> 3) would run old and new replicas
     together, each leading shards of its own topology: crc32 % 2 == 0 and crc32 % 3 == 1 map
-    some nodes to both. ARCHITECTURE 4: an invalid shard topology fails at start. The new
-    replica is refused, naming the settings, while an old one campaigns."""
+    some nodes to both. An invalid shard topology fails at start (docs/compatibility.md,
+    "Shard topology"): the new replica is refused, naming the settings, while an old one
+    campaigns."""
     old = make_settings(etcd_server, redis_server, key_root, stream_key, instance_id="old-0",
                         ha_mode="active-active", shard_count=2, shard_index=0)
     new = old.with_overrides(instance_id="new-1", shard_count=3, shard_index=1)

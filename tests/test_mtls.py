@@ -3,8 +3,8 @@ serving and calling with their own certificate, on real etcd and Redis.
 
 What the Go version did is kept (every RPC needs a certificate from the CA; files reload when
 they change; a broken reload keeps the last good files), and what it got wrong is not
-(persys-facts I.21): an agent's certificate may call only the agent RPCs, and may speak only
-for the node at the host it names.
+(docs/compatibility.md, "Certificate authorization"): an agent's certificate may call only the
+agent RPCs, and may speak only for the node at the host it names.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pure tests of the reconcile planner's per-workload decision (E4 ``plan_workload``), the
+"""Pure tests of the reconcile planner's per-workload decision (``plan_workload``), the
 cycle plan, and the steady-state shortcut that must never change a decision.
 
 No sockets and no clock: every decision takes ``now``; tables pin the decisions and
@@ -62,7 +62,7 @@ from tests.fixtures.planning import (
     status,
 )
 
-# -- E4 plan_workload ------------------------------------------------------------------------
+# -- plan_workload ---------------------------------------------------------------------------
 
 def plan(s: WorkloadSpec, st_: WorkloadStatus, obs: ObservedWorkload | None, *,
          available: bool = True, observed: bool = True, now: datetime = T0,
@@ -91,7 +91,7 @@ PLAN_TABLE = [
      AWAIT_NODE),
     ("list failed", spec(), status(), None, True, False, UNOBSERVED),
     ("killed long ago", spec(), status(**APPLIED_LONG_AGO), None, True, True, REAPPLY),
-    ("missing just after apply (I13)", spec(), status(state="Scheduled", **APPLIED_JUST_NOW),
+    ("missing just after apply (in flight)", spec(), status(state="Scheduled", **APPLIED_JUST_NOW),
      None, True, True, REAPPLY_BACKOFF_WAIT),
     ("never applied", spec(), status(state="Scheduled"), None, True, True, REAPPLY),
     ("stopped unexpectedly", spec(), status(**APPLIED_LONG_AGO), seen("Stopped"), True, True,

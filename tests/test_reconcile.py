@@ -445,9 +445,9 @@ async def test_a_retry_clears_a_non_retryable_failure_reason(
 
 async def test_a_node_without_the_runtime_gets_no_more_of_that_type(
         etcd_server, redis_server, key_root, stream_key):
-    """E1: an apply answered "runtime not available" takes that type off the node and
-    unassigns the workload (Pending, allocation released, Rescheduled); the next cycle places
-    it on a node that can run it."""
+    """An apply answered "runtime not available" takes that type off the node and unassigns
+    the workload (Pending, allocation released, Rescheduled); the next cycle places it on a
+    node that can run it (docs/compatibility.md, "Runtime unsupported")."""
     settings = make_settings(etcd_server, redis_server, key_root, stream_key,
                              node_lease_ttl_s=3600, heartbeat_interval_s=600, **QUIET)
     async with stack(settings, 2, heartbeat_interval_s=900) as s:

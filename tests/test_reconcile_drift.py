@@ -1,7 +1,8 @@
-"""Drift detection and remediation (E7) on real etcd and Redis with simulated nodes.
+"""Drift detection and remediation on real etcd and Redis with simulated nodes.
 
 Each test drives the cycles that detect drift itself (``run_once(drift=True)``), on the stack
-of ``tests.fixtures.reconcile``.
+of ``tests.fixtures.reconcile``. What is checked: docs/compatibility.md, "Drift detection" and
+"Drift adoption".
 """
 
 from __future__ import annotations

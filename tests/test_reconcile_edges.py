@@ -89,13 +89,14 @@ async def test_a_delete_is_not_finalised_while_the_node_is_alive_but_does_not_an
 
 async def test_a_stale_failed_listing_is_not_charged_to_the_reapply_in_flight(
         etcd_server, redis_server, key_root, stream_key, monkeypatch):
-    """persys-facts I13: a Go agent's ListWorkloads omits the task-queue overlay, so while an
-    (asynchronous) apply of a failed workload is in flight its listing still says Failed. The
-    first failure is counted and the workload re-applied; the cycles after that must not
-    charge that stale Failed to the new apply (nor send yet another apply) before the apply
-    could have shown its outcome: one slow apply (a VM boots for minutes) must not exhaust the
-    retry budget and end the workload Failed. Go governed an observed Failed by the re-apply
-    guard (E4 step 8), whose base is the VM apply timeout here (bug I14)."""
+    """A Go agent's ListWorkloads omits the task-queue overlay (docs/compatibility.md,
+    "Agent quirks"), so while an (asynchronous) apply of a failed workload is in flight its
+    listing still says Failed. The first failure is counted and the workload re-applied; the
+    cycles after that must not charge that stale Failed to the new apply (nor send yet another
+    apply) before the apply could have shown its outcome: one slow apply (a VM boots for
+    minutes) must not exhaust the retry budget and end the workload Failed. Go governed an
+    observed Failed by the re-apply guard (docs/compatibility.md, "Reconcile order"), whose base
+    is the VM apply timeout here ("VM re-apply guard" there)."""
     import ops.sim.node as sim
 
     original_status = sim.SimNode._status

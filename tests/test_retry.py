@@ -1,9 +1,10 @@
 """Pure tests of the reconcile deciders' retry policies: the re-apply guard and the retry budget.
 
 No sockets and no clock: every decision takes ``now``. Tables pin the documented schedules
-(persys-facts E4-E7); Hypothesis checks the properties (backoff monotone and capped, attempts
-never above the maximum, the guard never shorter than its floor). The plan and the drift are
-tested in ``test_plan_workload`` and ``test_drift_and_monitor``.
+(docs/compatibility.md, "Re-apply guard" and "Retry budget"); Hypothesis checks the properties
+(backoff monotone and capped, attempts never above the maximum, the guard never shorter than its
+floor). The plan and the drift are tested in ``test_plan_workload`` and
+``test_drift_and_monitor``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from handlers.workloads.retry import (
 )
 from tests.fixtures.planning import POLICY, T0, at, status
 
-# -- E6 retry backoff ------------------------------------------------------------------------
+# -- retry backoff ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("attempts", "delay"), [
     (0, 0), (1, 0), (2, 0), (3, 5), (4, 10), (5, 20), (6, 40), (7, 80), (8, 120), (20, 120),
@@ -49,14 +50,14 @@ def test_retry_backoff_is_monotone_and_capped(a: int, b: int) -> None:
     assert 0 <= retry_backoff_s(lo, POLICY) <= retry_backoff_s(hi, POLICY) <= 120
 
 
-# -- E5 re-apply guard -----------------------------------------------------------------------
+# -- re-apply guard --------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("wtype", "guard", "expected"), [
     ("container", 45.0, 45.0),      # the guard replaces the apply timeout (Go)
     ("container", 1.0, 15.0),       # floored at 15 s (Go defaultMissingGracePeriod)
     ("container", 0.0, 45.0),       # 0 = the apply timeout of the type
     ("compose", 90.0, 90.0),
-    ("vm", 45.0, 240.0),            # bug I14: max(guard, VM apply timeout), not the guard
+    ("vm", 45.0, 240.0),            # max(guard, VM apply timeout), not the guard (a Go bug)
     ("microvm", 300.0, 300.0),
     ("vm", 0.0, 240.0),
 ])
@@ -80,7 +81,8 @@ def test_reapply_delay_is_monotone_and_capped(a: int, b: int, base: float) -> No
 
 
 def test_guard_holds_a_missing_workload_after_any_apply_request() -> None:
-    # bug I13: from the first apply (even the dispatcher's), not only from the third re-apply
+    # from the first apply (even the dispatcher's), not only from the third re-apply as in Go
+    # (docs/compatibility.md, "In-flight applies")
     state = ReapplyState.read({LAST_APPLY_AT: rfc3339(T0), LAST_APPLY_REVISION: "rev-1"})
     guard = RetryPolicy(reapply_guard_s=20)
     assert reapply_guard(state, revision_id="rev-1", workload_type="container", now=at(19),
@@ -126,7 +128,7 @@ def test_guard_is_never_shorter_than_floor_or_vm_timeout(wtype: str, guard: floa
     assert active == (elapsed < base)
 
 
-# -- E6 retry budget -------------------------------------------------------------------------
+# -- retry budget ----------------------------------------------------------------------------
 
 def run_failures(times: list[float]) -> list[tuple[float, str, int, str]]:
     """Fail a workload at each time; return (t, status, attempts, last_action) after each."""
@@ -184,7 +186,8 @@ def test_after_grace_without_exhaustion_schedules_a_retry() -> None:
 
 
 def test_success_resets_the_grace_window() -> None:
-    # bug I15: a success clears failureObservedAt, so a later failure gets a full grace again
+    # a success clears failureObservedAt, so a later failure gets a full grace again
+    # (docs/compatibility.md, "Retry grace reset")
     st_ = status(attempts=3, **{FAILURE_OBSERVED_AT: rfc3339(T0)})
     assert apply_success(st_, actual="Running", now=at(50))
     assert st_.retry.attempts == 0

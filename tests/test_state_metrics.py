@@ -1,4 +1,4 @@
-"""The Go version's metric families (persys-facts section G), against real etcd and Redis.
+"""The Go version's metric families (docs/compatibility.md, "Metrics"), on real etcd and Redis.
 
 ``nodes_status``, ``workloads_status`` and ``workloads_desired_state`` are kept from the
 projections (``projections/gauges.py``), on every replica; the reconcile and state-store
@@ -213,8 +213,9 @@ async def test_go_metric_families_are_exported_by_the_leader_and_the_gauges_by_a
 
 async def test_projection_lag_is_reported_per_projection(
         etcd_server, redis_server, key_root, stream_key) -> None:
-    """``projection_lag_revisions{projection}`` (STYLE's fixed names) follows etcd's revision
-    at each mode probe: set for every projection, and 0 for a projection that keeps up."""
+    """``projection_lag_revisions{projection}`` (one of the fixed names of docs/compatibility.md,
+    "Metrics") follows etcd's revision at each mode probe: set for every projection, and 0 for
+    a projection that keeps up."""
     from tests.fixtures.harness import make_settings, running_scheduler
 
     settings = make_settings(etcd_server, redis_server, key_root, stream_key)

@@ -84,11 +84,11 @@ async def test_applies_cut_by_an_etcd_pause_then_retried_place_each_workload_onc
 async def test_an_apply_whose_caller_gave_up_mid_commit_is_still_sent_to_the_agent(
         etcd_private, redis_server, key_root, stream_key) -> None:
     """The client's deadline ends while its placement is being committed (etcd slow: paused
-    here), and the commit lands afterwards. ApplyWorkload's promise (ARCHITECTURE 5) is that
-    a committed placement is dispatched right after; the caller's cancellation must not take
-    the dispatch with it. A retry of the same apply answers success ("no change") and sends
-    nothing either, so without the fix the workload waits for the reconcile loop's re-apply
-    guard (45 s by default)."""
+    here), and the commit lands afterwards. ApplyWorkload's promise (docs/architecture.md,
+    "Errors and answers") is that a committed placement is dispatched right after; the
+    caller's cancellation must not take the dispatch with it. A retry of the same apply answers
+    success ("no change") and sends nothing either, so without the fix the workload waits for the
+    reconcile loop's re-apply guard (45 s by default)."""
     settings = make_settings(etcd_private, redis_server, key_root, stream_key,
                              etcd_timeout_s=3.0, reapply_guard_s=45.0)
     async with leading_fleet(settings, 1) as (sched, fleet, stub):

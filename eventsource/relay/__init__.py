@@ -1,8 +1,9 @@
-"""The outbox relay: the only writer of the event stream (ARCHITECTURE section 3).
+"""The outbox relay: the only writer of the event stream.
 
 Why it exists: events are committed to etcd as outbox keys in the same transaction as the state
 change that caused them; this relay moves them to the Redis stream in commit order, exactly once
 per stream id, and deletes what it moved. There is no "write etcd, then XADD" dual write.
+See docs/architecture.md, "Events and the stream".
 
 How: the relay holds its own election at ``layout.relay_election`` (any replica, either HA
 mode). As leader it checks the stream (foreign or lost data), lists the outbox at revision R

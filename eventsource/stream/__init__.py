@@ -1,10 +1,11 @@
 """The Redis stream log of events: append, range, trim, and one shared tail per process.
 
 Why it exists: ``scheduler:events`` is the durable, ordered log that ListEvents and WatchEvents
-serve (ARCHITECTURE section 3). Two Redis pitfalls shape it (STYLE 4.2): redis-py's default
+serve (docs/architecture.md, "Events and the stream"). Two pitfalls shape it: redis-py's default
 retries would resend an XADD that may already have been applied, and one ``XREAD BLOCK`` per
 subscriber would starve the shared pool. So appends use explicit ids on a writer client without
 retries, and there is one blocking reader per process that fans entries out to bounded queues.
+Both rules are in docs/architecture.md, "Client rules".
 
 Invariants:
 

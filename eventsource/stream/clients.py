@@ -1,9 +1,10 @@
 """The Redis clients the stream needs, and the cancellation check every round trip ends with.
 
-Why apart: two Redis pitfalls shape the clients (STYLE 4.2): redis-py's default retries would
-resend an XADD that may already have been applied, and a blocking read needs a socket timeout
-above its block. ``reraise_swallowed_cancel`` is the workaround for a redis-py behaviour that
-every caller of a Redis round trip (and the leader loop) needs.
+Why apart: two Redis pitfalls shape the clients (docs/architecture.md, "Client rules"):
+redis-py's default retries would resend an XADD that may already have been applied, and a
+blocking read needs a socket timeout above its block. ``reraise_swallowed_cancel`` is the
+workaround for a redis-py behaviour that every caller of a Redis round trip (and the leader
+loop) needs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from urllib.parse import quote
 
 import redis.asyncio as aioredis
 
-#: the longest block of one XREAD (STYLE 4.2: longer blocks meet the client's socket timeout)
+#: the longest block of one XREAD (longer blocks meet the client's socket timeout;
+#: docs/architecture.md, "Client rules")
 MAX_BLOCK_S = 5.0
 
 

@@ -1,4 +1,4 @@
-"""ListEvents and WatchEvents over the Redis stream (ARCHITECTURE 3).
+"""ListEvents and WatchEvents over Redis (docs/architecture.md, "Events and the stream").
 
 * ListEvents: the newest ``limit`` entries that match the filters (filters before the limit), in
   ascending order; with ``after_id``, the first ``limit`` matching entries after that cursor.

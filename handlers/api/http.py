@@ -1,8 +1,9 @@
 """The plaintext HTTP endpoint on METRICS_PORT: ``/metrics`` and our own ``/health``.
 
 A few lines of asyncio instead of the Prometheus exporter's catch-all server, so ``/health`` is
-ours (ARCHITECTURE 6: string values for status, mode, reason, modeChangedAt, instanceId, haMode,
-shardIndex, shardCount, leader, relay) and everything runs on the one event loop.
+ours (docs/architecture.md, "Operating modes and health": string values for status, mode,
+reason, modeChangedAt, instanceId, haMode, shardIndex, shardCount, leader, relay) and
+everything runs on the one event loop.
 """
 
 from __future__ import annotations

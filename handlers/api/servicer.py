@@ -1,6 +1,6 @@
 """The ``persys.control.v1.AgentControl`` servicer: thin, validate -> one handler -> answer.
 
-Errors follow ARCHITECTURE 5: the persys RPCs the Go agents, gateway and CLI already call answer
+Errors follow docs/architecture.md, "Errors and answers": the RPCs Go clients already call answer
 expected failures in-band (``accepted``/``success`` false with a reason, ``INVALID_SPEC`` naming
 the field); the new RPCs and reads use gRPC status codes, with UNAVAILABLE naming the mode when
 the scheduler is degraded. RPCs that a later feature implements answer UNIMPLEMENTED naming it.
@@ -567,7 +567,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
                                                                        mutating=True)
         return result
 
-    # -- buckets (Ceph RGW + Vault; handlers/storage/buckets.py) -----------------------------------
+    # -- buckets (Ceph RGW + Vault; handlers/storage/buckets/) ------------------------------------
     async def _bucket_call(self, context: grpc.aio.ServicerContext, body: Any) -> Any:
         if self.buckets is None:
             await context.abort(

@@ -1,6 +1,6 @@
 """Per-replica CoreDNS (SkyDNS) records for gateway -> scheduler discovery.
 
-Each replica writes its own children of the SRV and A names (persys-facts E16, post-change):
+Each replica writes its own SRV and A children (docs/compatibility.md, "CoreDNS records"):
 ``/skydns/<reversed DOMAIN>/_persys-scheduler/<instance id>`` = ``{"host", "port", "ttl"}`` and
 ``/skydns/<reversed DOMAIN>/persys-scheduler/<instance id>`` = ``{"host", "ttl"}``, attached to a
 lease of this replica. A clean shutdown deletes them (revoking the lease); a crashed replica's

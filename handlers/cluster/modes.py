@@ -1,4 +1,6 @@
-"""Operating modes: normal, degraded, recovery (ARCHITECTURE 6).
+"""Operating modes: normal, degraded, recovery.
+
+What each means: docs/architecture.md, "Operating modes and health".
 
 ``decide_mode`` is the pure transition function; ``ModeState`` holds the current mode of this
 replica and tells handlers whether mutations are allowed. The supervisor loop that probes etcd

@@ -5,7 +5,7 @@ its leader under its own prefix. Replicas started with different shard counts (a
 of the count, one replica's stale configuration) would each win a shard of their own topology:
 the nodes both map get two leaders, applying and deleting on the same agents, while others get
 none. So the first replica to campaign records ``{"haMode", "shardCount"}``; a replica that
-disagrees fails at start (ARCHITECTURE section 4: an invalid shard topology fails at start), and
+disagrees fails at start (docs/compatibility.md, "Shard topology"), and
 every campaign compares the record's revision, so a change made while a replica was away keeps
 it from leading. The record changes only while no replica campaigns (no key under the leader's
 election prefix): stop every replica, change the setting, start them again.

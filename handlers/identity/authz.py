@@ -2,8 +2,9 @@
 
 The Go scheduler let any certificate its CA signed call every RPC, so an agent's certificate
 could drain nodes, delete workloads or read bucket secrets, and register or heartbeat for any
-node id, taking over another node's workloads (persys-facts I.21). Two rules close that,
-both decided here from plain values so they can be tested with tables:
+node id, taking over another node's workloads (docs/compatibility.md,
+"Certificate authorization"). Two rules close that, both decided here from plain values so they
+can be tested with tables:
 
 * **Agents call only agent RPCs.** A certificate whose common name is one of
   ``SCHEDULER_AGENT_CERT_NAMES`` (default ``compute-agent``, the Go agent's PKI role; names
@@ -44,7 +45,8 @@ import enum
 import ipaddress
 from collections.abc import Iterable, Mapping
 
-#: the AgentControl RPCs an agent calls (the compute-agent's subset proto, persys-facts B)
+#: the AgentControl RPCs an agent calls (the compute-agent's subset proto; docs/compatibility.md,
+#: "Control API")
 AGENT_METHODS = frozenset({"RegisterNode", "Heartbeat", "ControlStream"})
 DEFAULT_AGENT_CERT_NAMES = ("compute-agent",)
 

@@ -51,7 +51,7 @@ class HeartbeatOutcome:
     known: bool
     drain: bool = False
     lease_expires_at: Any = None
-    #: why the caller's certificate may not speak for this node (handlers/authz)
+    #: why the caller's certificate may not speak for this node (handlers/identity/authz.py)
     refused: str = ""
 
 

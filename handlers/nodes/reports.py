@@ -17,7 +17,8 @@ from eventsource.events import parse_rfc3339, rfc3339
 from eventsource.records import ReasonInfo, WorkloadStatus
 from proto.persys.control.v1 import control_pb2
 
-#: bound on the status record's log tail (the Go version grew it forever, bug I3)
+#: bound on the status record's log tail (the Go version grew it forever: docs/compatibility.md,
+#: "Status log growth")
 LOG_TAIL_BYTES = 4096
 #: an agent's status message is kept to this many characters: the status record is rewritten
 #: (and watched by every replica) whenever a message is new, and a record has a size limit

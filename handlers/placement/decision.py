@@ -3,8 +3,8 @@
 Filters (each rejection is recorded with its reason): the node is Ready/Active and alive, not
 draining; every selector label matches; no NoSchedule taint; the workload type is supported;
 every required storage driver is supported; CPU and memory fit, where
-``free = total - allocated - in-flight reservations`` (ARCHITECTURE 7). The score is
-``0.4 cpu_headroom + 0.4 mem_headroom + 0.2 spread + jitter`` with
+``free = total - allocated - in-flight reservations`` (docs/architecture.md, "Placement model").
+The score is ``0.4 cpu_headroom + 0.4 mem_headroom + 0.2 spread + jitter`` with
 ``spread = 1 - count/max_count`` and a deterministic jitter in [0, 0.01) from
 crc32(workload_id|node_id); a PreferNoSchedule taint lowers the score by 0.5.
 
@@ -120,7 +120,8 @@ class PlacementDecision:
                 f"(cpu {best.cpu_headroom:.3f}, mem {best.mem_headroom:.3f}, "
                 f"spread {best.spread:.3f})"
             )
-        # "no suitable node" is what the Go e2e runner waits out (persys-facts, e2e step 3)
+        # "no suitable node" is what the Go end-to-end runner waits out (step 3 of
+        # docs/compatibility.md, "Go end-to-end runner")
         return no_fit_reason(self.rejected)
 
 

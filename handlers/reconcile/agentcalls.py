@@ -44,7 +44,8 @@ from handlers.workloads.retry import (
 
 log = logging.getLogger("persys.loops")
 
-#: an apply error with this text (any case) means the node lacks the workload's runtime (E1)
+#: an apply error with this text (any case) means the node lacks the workload's runtime
+#: (docs/compatibility.md, "Runtime unsupported")
 RUNTIME_MISSING = "runtime not available"
 
 

@@ -11,8 +11,8 @@ cycle therefore makes exactly one agent RPC per owned node and no etcd write at 
 write it does make is a CAS transaction carrying the leader fence, and every agent call is
 ``leader_only`` (renew-deadline check + ``x-persys-leader-term``).
 
-Drift detection (E7) reuses a cycle's prefetch: the drift loop
-(``handlers.reconcile.drifttrigger``) only asks for it, and the next (or the running)
+Drift detection (docs/compatibility.md, "Drift detection") reuses a cycle's prefetch: the
+drift loop (``handlers.reconcile.drifttrigger``) only asks for it, and the next (or the running)
 reconcile cycle classifies and remediates drift on the lists it already has.
 
 The Deleting finisher is the cycle's ``Delete``/``FinalizeDelete`` action: a workload still in

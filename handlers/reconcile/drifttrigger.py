@@ -1,8 +1,9 @@
 """The drift loop's body: it only asks the reconcile loop for drift detection.
 
-Why apart: drift detection (E7) has its own interval (``SCHEDULER_DRIFT_DETECT_INTERVAL``) but
-no cycle of its own; it reuses a reconcile cycle's prefetch, so this trigger marks drift due
-and runs (or joins) a cycle, within the cycle's time bound.
+Why apart: drift detection (docs/compatibility.md, "Drift detection") has its own interval
+(``SCHEDULER_DRIFT_DETECT_INTERVAL``) but no cycle of its own; it reuses a reconcile cycle's
+prefetch, so this trigger marks drift due and runs (or joins) a cycle, within the cycle's time
+bound.
 """
 
 from __future__ import annotations

@@ -44,7 +44,10 @@ class MonitorReport:
 
 
 class NodeMonitor(LoopShell):
-    """Liveness -> NotReady + failover; long NotReady -> removal (E1, ARCHITECTURE 4)."""
+    """Liveness -> NotReady + failover; long NotReady -> removal.
+
+    Go's rules: docs/compatibility.md, "Node lifecycle"; liveness: docs/architecture.md,
+    "Leadership, sharding and liveness"."""
 
     name = "node-monitor"
 

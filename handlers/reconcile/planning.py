@@ -235,8 +235,8 @@ class CyclePlanning:
                                views: dict[str, NodeView],
                                observations: Mapping[str, NodeObservation],
                                now: datetime) -> None:
-        """E1: an unreachable agent marks its node NotReady; ``views`` then show it so, and
-        its workloads fail over in this cycle's plan."""
+        """An unreachable agent marks its node NotReady (docs/compatibility.md, "Node lifecycle");
+        ``views`` then show it so, and its workloads fail over in this cycle's plan."""
 
         async def lost(node_id: str) -> None:
             await self.shell.mark_not_ready(

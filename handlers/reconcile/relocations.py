@@ -30,7 +30,8 @@ from handlers.workloads.retry import REAPPLY_KEYS
 
 log = logging.getLogger("persys.loops")
 
-#: the types a node without a list is taken to support (E1, legacy nodes)
+#: the types a node without a list is taken to support (legacy nodes; docs/compatibility.md,
+#: "Runtime unsupported")
 LEGACY_WORKLOAD_TYPES = ("container", "compose")
 #: an agent message kept on a status
 MESSAGE_CHARS = 1024
@@ -130,7 +131,8 @@ class Relocations:
         outcome = await self.relocator.relocate(action.workload_id, from_node=action.node_id,
                                                 event_type="Rescheduled", fenced=True)
         if outcome == "no-target":
-            # E1 AwaitFailover: wait under the retry budget, so attempts back off and end Failed
+            # Go's AwaitFailover (docs/compatibility.md, "Node lifecycle"): wait under the retry
+            # budget, so attempts back off and end Failed
             await self.status_writes.count_failure(
                 action.workload_id, action.node_id,
                 reason=f"no failover target: node {action.node_id} unavailable", now=now,
@@ -140,10 +142,10 @@ class Relocations:
 
     async def runtime_unsupported(self, workload_id: str, node_id: str, message: str,
                                   now: datetime) -> bool:
-        """E1 "runtime unsupported": the node cannot run this type after all. Its type is
-        taken off the node (so placement stops choosing it) and the workload is unassigned,
-        Pending, its allocation released, in one fenced transaction; the next cycle places it
-        elsewhere. Returns False: nothing runs yet."""
+        """The node cannot run this type after all (docs/compatibility.md, "Runtime unsupported").
+        Its type is taken off the node (so placement stops choosing it) and the workload is
+        unassigned, Pending, its allocation released, in one fenced transaction; the next cycle
+        places it elsewhere. Returns False: nothing runs yet."""
 
         async def attempt(n: int) -> bool:
             spec_item = self.cluster.specs.get(workload_id)

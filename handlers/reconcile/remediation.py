@@ -1,11 +1,12 @@
-"""Drift remediation: carry out the findings of drift detection and record them (E7).
+"""Drift remediation: carry out the findings of drift detection and record them.
 
 Why apart: drift is classified purely (``handlers.reconcile.planner.drift``) on the cycles asked for
 it; carrying a finding out is its own kind of act (adopt a workload to the node that runs
 it, delete an orphan or a duplicate from an agent, align a status), credited to the reconcile
 action that already did it where there is one, and each admitted finding is recorded as a
 ``DriftRecord`` and a ``DriftDetected`` event, batched and fenced. The de-duplication window
-(``DriftDeduper``) is remediation's own memory between cycles.
+(``DriftDeduper``) is remediation's own memory between cycles. Go's actions:
+docs/compatibility.md, "Drift detection"; what is ours: "Drift adoption".
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class DriftRemediation:
         self.writer = shell.writer
         self.concurrency = shell.concurrency
         self.agent_calls = agent_calls
-        #: one DriftDetected per finding per window (E7: 2 min)
+        #: one DriftDetected per finding per 2 min (docs/compatibility.md, "Drift detection")
         self.dedup = DriftDeduper()
 
     async def remediate(self, findings: list[DriftFinding],
@@ -121,10 +122,11 @@ class DriftRemediation:
 
     def _drift_change(self, f: DriftFinding, *, ok: bool, error: str, now: datetime,
                       event: bool = True) -> Change:
-        """The DriftRecord and DriftDetected of a finding (E7), with two exceptions that keep
-        etcd bounded whatever an agent lists: a delete done on the agent clears its record
-        (as Go's verified orphan delete did), and an orphan whose id the scheduler does not
-        know gets its event but no record (the id is the agent's word only)."""
+        """The DriftRecord and DriftDetected of a finding, with two exceptions that keep etcd
+        bounded whatever an agent lists (docs/compatibility.md, "Drift adoption"): a delete
+        done on the agent clears its record (as Go's verified orphan delete did), and an
+        orphan whose id the scheduler does not know gets its event but no record (the id is
+        the agent's word only)."""
         key = self.layout.drift(f.node_id, f.workload_id, f.drift_type)
         events = [Event(type="DriftDetected", workload_id=f.workload_id, node_id=f.node_id,
                         reason=f.drift_type, timestamp=now, details={

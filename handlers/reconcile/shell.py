@@ -4,7 +4,7 @@ fenced node-status write; and the bounded fan-out they all run their I/O through
 Why apart: the reconcile loop (``handlers.reconcile.cycle``) and the node monitor
 (``handlers.reconcile.monitor``) both read the same parts, pause on the same conditions (not
 leader, a mode that is not writable), ask the same disruption guard and turn nodes NotReady
-the same way (``NodeLost``, fenced, E1); the parts of a cycle (planning, acting, remediation)
+the same way (``NodeLost``, fenced); the parts of a cycle (planning, acting, remediation)
 are given this shell rather than the whole scheduler.
 """
 
@@ -39,7 +39,8 @@ T = TypeVar("T")
 
 
 def policy_from(settings: Settings) -> RetryPolicy:
-    """The retry/re-apply knobs of E5/E6 from the settings (the rest are the Go constants)."""
+    """The re-apply guard and retry budget knobs from the settings; the rest are the Go
+    constants (docs/compatibility.md, "Re-apply guard" and "Retry budget")."""
     return RetryPolicy(reapply_guard_s=settings.reapply_guard_s,
                        apply_timeout_s=settings.agent_apply_timeout_s,
                        vm_apply_timeout_s=settings.agent_vm_apply_timeout_s)
@@ -125,7 +126,8 @@ class LoopShell:
         """Ready/Active -> NotReady with a ``NodeLost`` event, fenced; True when it changed.
 
         Draining and Drained nodes keep their status (the operator's intent); a node already
-        NotReady is not rewritten and gets no second NodeLost (E1).
+        NotReady is not rewritten and gets no second NodeLost (docs/compatibility.md,
+        "Node lifecycle").
         """
         stamp = rfc3339(now)
         # the monitor decides on a missing liveness key: a heartbeat that recreated it since

@@ -30,7 +30,9 @@ from handlers.workloads.retry import (
 
 
 class StatusWrites:
-    """Status-only executors of the reconcile actions (E4, E6), each one fenced write."""
+    """Status-only executors of the reconcile actions, each one fenced write.
+
+    Go's rules: docs/compatibility.md, "Reconcile order" and "Retry budget"."""
 
     def __init__(self, shell: LoopShell) -> None:
         self.cluster = shell.cluster
@@ -40,7 +42,7 @@ class StatusWrites:
     async def count_failure(self, workload_id: str, node_id: str, *, reason: str, now: datetime,
                             once: bool, reported: Mapping[str, str | None] | None = None,
                             revision: str | None = None) -> bool:
-        """Charge one failure to the retry budget (E6), fenced. ``once``: only if the latest
+        """Charge one failure to the retry budget, fenced. ``once``: only if the latest
         apply's failure was not counted yet (an observed Failed is seen by many cycles).
         ``reported``: the agent's metadata news, merged in the same write. ``revision``: the
         spec revision the failure was observed for (nothing is charged to a newer one)."""
@@ -107,7 +109,8 @@ class StatusWrites:
         return True
 
     async def record_report(self, action: Action) -> bool:
-        """Merge the agent's metadata news into the status (E4), and nothing else."""
+        """Merge the agent's metadata news into the status, and nothing else
+        (docs/compatibility.md, "Workload status metadata")."""
 
         def mutate(status: WorkloadStatus) -> list[Event] | None:
             if node_of(status) != action.node_id:

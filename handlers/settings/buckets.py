@@ -1,9 +1,9 @@
 """Bucket API configuration: environment -> one frozen ``BucketsConfig`` (or none).
 
 Why it is separate from ``handlers/settings/config.py``: the bucket API is optional and has its own
-variables (persys-facts E15), and its secrets (the RGW admin secret key, the Vault token and
-AppRole secret_id) must never end up in ``Settings`` reprs, logs or errors. ``repr()`` of every
-dataclass here hides them.
+variables (docs/compatibility.md, "Buckets"), and its secrets (the RGW admin secret key, the
+Vault token and AppRole secret_id) must never end up in ``Settings`` reprs, logs or errors.
+``repr()`` of every dataclass here hides them.
 
 Rules:
 
@@ -17,8 +17,9 @@ Rules:
   create, delete and access need Vault (FAILED_PRECONDITION naming the variable).
 * Vault auth: ``PERSYS_VAULT_TOKEN`` wins; otherwise AppRole login with
   ``PERSYS_VAULT_APPROLE_ROLE_ID``/``_SECRET_ID`` at ``PERSYS_VAULT_APPROLE_MOUNT``. The Go
-  version's vault-manager gRPC (``PERSYS_VAULT_MANAGER_ADDR``, insecure and unauthenticated,
-  persys-facts I.19) is deliberately not implemented: give the scheduler its own AppRole.
+  version's vault-manager gRPC (``PERSYS_VAULT_MANAGER_ADDR``, insecure and unauthenticated) is
+  deliberately not implemented: give the scheduler its own AppRole (docs/compatibility.md,
+  "Vault access").
 """
 
 from __future__ import annotations

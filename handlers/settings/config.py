@@ -1,7 +1,7 @@
 """Configuration: environment variables -> one frozen ``Settings``.
 
-Names and defaults are the Go scheduler's (persys-facts section F) plus the ones
-ARCHITECTURE.md adds. Unlike the Go version, an invalid value is not silently replaced by the
+Names and defaults are the Go scheduler's plus the ones added here (docs/compatibility.md,
+"Environment variables"). Unlike the Go version, an invalid value is not silently replaced by the
 default: ``load_settings`` raises ``ConfigError`` naming the variable and the reason, and the
 process refuses to start. Durations accept a Go duration string (``1m30s``) or integer seconds.
 """
@@ -109,7 +109,8 @@ class Settings:
     tls_key: str = DEFAULT_TLS_KEY
     vault_enabled: bool = False
     agent_tls_enabled: bool = True
-    #: common names of agent certificates, and how a node is tied to its caller (handlers/authz)
+    #: common names of agent certificates, and how a node is tied to its caller
+    #: (handlers/identity/authz.py)
     agent_cert_names: tuple[str, ...] = DEFAULT_AGENT_CERT_NAMES
     operator_cert_names: tuple[str, ...] = ()
     node_binding: NodeBinding = NodeBinding.ENDPOINT

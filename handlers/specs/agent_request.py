@@ -104,8 +104,8 @@ _CLOUD_INIT_FIELDS = (("userData", "user_data"), ("metaData", "meta_data"),
 
 
 def _fill_vm(v: agent_pb2.VMSpec, spec: WorkloadSpec) -> None:
-    """The agent VMSpec of a stored VM spec, as the Go scheduler builds it (persys-facts
-    "How the scheduler builds an agent apply request"), minus the password."""
+    """The agent VMSpec of a stored VM spec, as the Go scheduler builds it (docs/compatibility.md,
+    "Agent apply request"), minus the password."""
     vm = spec.vm or {}
     v.name = spec.id
     v.vcpus = int(vm.get("vcpus", 0))

@@ -14,7 +14,9 @@ from eventsource.records import WorkloadSpec, WorkloadStatus
 
 
 def normalize_desired_state(value: str) -> str:
-    """E2: stop/stopped -> Stopped; delete/deleted -> Deleted; anything else -> Running."""
+    """stop/stopped -> Stopped; delete/deleted -> Deleted; anything else -> Running.
+
+    As Go (docs/compatibility.md, "Workload states")."""
     v = value.strip().lower()
     if v in ("stop", "stopped"):
         return "Stopped"

@@ -2,7 +2,7 @@
 
 Validation answers with the field path and the reason (``InvalidSpec``), which the servicer turns
 into the in-band ``INVALID_SPEC`` answer Go clients read. Conversion follows the Go scheduler
-(persys-facts B "ApplyWorkload" and C "How the scheduler builds an agent apply request") except
+(docs/compatibility.md, "ApplyWorkload conversion" and "Agent apply request") except
 where that version lost data: container managed volumes are kept, and the spec's creation time
 is read back. A spec is refused here when the agent request could not be built from it
 (``agent_request``), and a VM spec's JSON is read by ``vm_spec``.
@@ -109,7 +109,8 @@ def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> Pa
         c = spec.container
         if c.privileged:
             # the agent's ContainerSpec has no such field: running it unprivileged instead
-            # would not be what was asked (the Go version dropped it, persys-facts I.24)
+            # would not be what was asked (the Go version dropped it: docs/compatibility.md,
+            # "Privileged containers")
             raise InvalidSpec("spec.container.privileged",
                               "not supported: agents cannot run privileged containers")
         if not c.image.strip():
@@ -140,7 +141,8 @@ def parse_apply(req: control_pb2.ApplyWorkloadRequest, *, created_at: str) -> Pa
         source = (cs.source_type or ("git" if cs.git_repo else "inline")).lower()
         if source == "git":
             # the agent's ComposeSpec carries only the YAML: a git source would be committed
-            # and then fail every apply (the Go version did that, persys-facts I.24)
+            # and then fail every apply (the Go version did that: docs/compatibility.md,
+            # "Git-sourced compose")
             raise InvalidSpec("spec.compose.source_type",
                               "git is not supported: agents take only the compose YAML; "
                               "send it as inline_yaml")

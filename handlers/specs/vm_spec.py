@@ -13,7 +13,8 @@ from typing import Any
 from handlers.specs.fields import InvalidSpec
 
 #: Why a VM password is refused. The Go scheduler stored it in etcd in plain text and copied it
-#: into the agent's metadata (persys-facts I.21); specs live in etcd, which holds no secrets.
+#: into the agent's metadata (docs/compatibility.md, "VM passwords"); specs live in etcd, which
+#: holds no secrets.
 NO_PASSWORDS = ("VM passwords are not accepted: workload specs are stored in etcd, which never "
                 "holds secrets; give cloudInitConfig.sshPublicKey, or a hashed password in "
                 "cloud-init userData")

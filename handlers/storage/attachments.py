@@ -1,12 +1,13 @@
-"""Standalone disks used by workloads: ``persys.disk.ids`` at ApplyWorkload (persys-facts E14).
+"""Standalone disks used by workloads: ``persys.disk.ids`` at ApplyWorkload.
 
 A workload names its disks in metadata ``persys.disk.ids`` (or ``disk_ids``; in the spec's
-metadata, else in a VM spec's metadata; separated by commas, spaces or semicolons). At creation:
+metadata, else in a VM spec's metadata; separated by commas, spaces or semicolons), as in Go
+(docs/compatibility.md, "Disks"). At creation:
 
 * every disk must exist, and a ReadWriteOnce disk must not be used by another workload;
 * a local disk already pinned to a node pins the workload there (the Go version recorded the
-  pin and never enforced it, persys-facts I.20); an unpinned local disk is pinned to the node
-  the workload is placed on;
+  pin and never enforced it: docs/compatibility.md, "Local data"); an unpinned local disk is
+  pinned to the node the workload is placed on;
 * the disk records (``workloadRefs``, ``attachedNodes``, ``nodeId``, phase ``Attached``) are
   written in the placement's own transaction, with a compare on each disk, so two workloads
   cannot both take one ReadWriteOnce disk, and a disk deleted meanwhile fails the placement;

@@ -1,4 +1,5 @@
-"""The disk API: standalone volumes recorded under ``/volumes/<id>`` (persys-facts E14).
+"""The disk API: standalone volumes recorded under ``/volumes/<id>`` (docs/compatibility.md,
+"Disks").
 
 Records are created with a create-only compare and deleted with a compare on the revision that
 was checked, so a concurrent attach (which adds a workload reference) cannot be lost by a

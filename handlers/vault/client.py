@@ -6,7 +6,7 @@ Why it exists: per-bucket S3 keys are stored in Vault only (never in etcd, logs 
 threads), under a semaphore of the same size so that waiting for a thread counts against the
 call's deadline, with a timeout in ``requests`` (so the thread ends) and in asyncio.
 
-Authentication (persys-facts E15, without vault-manager):
+Authentication (docs/compatibility.md, "Vault access"):
 
 * ``PERSYS_VAULT_TOKEN``: used as given. It is looked up and, if renewable, renewed on the
   refresh schedule below; a failed lookup is logged and the token kept (the next real call

@@ -5,7 +5,7 @@ Apart because it only routes: the creation (``create``) and the update (``update
 decide on this replica's projections and commit in one CAS transaction; this module owns the
 retries around them. ApplyWorkload answers once the placement is committed; the agent apply
 is dispatched afterwards and its outcome shows in the workload's status and events
-(ARCHITECTURE 5).
+(docs/architecture.md, "Errors and answers").
 """
 
 from __future__ import annotations

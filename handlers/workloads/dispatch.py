@@ -56,9 +56,9 @@ def refused(answer: Any) -> bool:
 
     Its text is no evidence that the workload is gone: "not found" may be about anything else
     (Docker's "network persys-net not found"), and the Go scheduler, which took it for
-    "gone", removed the state of workloads its agents still ran (persys-facts I5). Whether the
-    workload is there is asked of the agent (``Dispatcher.gone_from_agent``) or read from its
-    next listing (the reconcile loop).
+    "gone", removed the state of workloads its agents still ran (docs/compatibility.md,
+    "Not-found deletes"). Whether the workload is there is asked of the agent
+    (``Dispatcher.gone_from_agent``) or read from its next listing (the reconcile loop).
     """
     return not answer.success
 
@@ -221,7 +221,8 @@ class Dispatcher:
 
     async def _record_answer(self, spec: WorkloadSpec, node_id: str,
                              answer: agent_pb2.WorkloadStatus) -> None:
-        """Merge the metadata of an accepted apply's status into the status record (E4)."""
+        """Merge the metadata of an accepted apply's status into the status record
+        (docs/compatibility.md, "Workload status metadata")."""
         if answer.metadata.get("task_id"):
             log.debug("apply accepted workload_id=%s node_id=%s task_id=%s", spec.id, node_id,
                       answer.metadata["task_id"])

@@ -1,7 +1,8 @@
 """A workload status's metadata: its bound, and what of an agent's report is merged into it.
 
 Why: the agent reports metadata with every workload status (``ListWorkloads``, the status in
-``ApplyWorkloadResponse``) and the Go scheduler merges it into the workload (persys-facts E4):
+``ApplyWorkloadResponse``) and the Go scheduler merges it into the workload
+(docs/compatibility.md, "Workload status metadata"):
 ``vm.primary_ip`` is what a VM's status shows (``"Running (ip=...)"``), ``container.stderr`` and
 ``container.runtime_error`` are what its failure text shows, and ``failure_reason`` (e.g.
 ``INVALID_IMAGE``) is what stops re-applies for good (``reconcile.halted``).

@@ -21,7 +21,7 @@ TRUTHY = frozenset({"true", "1", "yes"})
 
 
 def persistence_class(spec: WorkloadSpec, metadata: dict[str, object]) -> str:
-    """ephemeral, node-local or shared-storage (persys-facts E1 "Persistence class")."""
+    """ephemeral, node-local or shared-storage (docs/compatibility.md, "Persistence class")."""
 
     def truthy(key: str) -> bool:
         return str(metadata.get(key, "")).strip().lower() in TRUTHY
@@ -40,7 +40,7 @@ def persistence_class(spec: WorkloadSpec, metadata: dict[str, object]) -> str:
             return "node-local"
     # data on this node's disk: a container's host-path volumes, or a managed volume of the
     # local driver (the Go version called these ephemeral and moved them away from their
-    # data, persys-facts I.20)
+    # data: docs/compatibility.md, "Local data")
     if spec.volumes:
         return "node-local"
     volumes = spec.managed_volumes or (spec.vm or {}).get("managedVolumes") or []

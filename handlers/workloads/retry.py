@@ -1,9 +1,10 @@
-"""Pure deciders for the re-apply guard and the retry budget (persys-facts E5, E6).
+"""Pure deciders for the re-apply guard and the retry budget.
 
 Why: the reconcile loop must not hammer an agent with re-applies while an asynchronous apply is
 still settling, and a workload that keeps failing must end ``Failed`` on a documented schedule
 instead of being retried forever. Both decisions live here as pure functions over the workload
 status record and ``now`` (no clock reads, no I/O), so tables and Hypothesis can check them.
+Go's rules: docs/compatibility.md, "Re-apply guard" and "Retry budget".
 
 The state they read and write is kept *in the workload status record* (``retry`` and a few
 ``metadata`` keys, updated by the caller with CAS), never as an unbounded log:
@@ -15,15 +16,16 @@ The state they read and write is kept *in the workload status record* (``retry``
   ``lastApplyRequestAt`` of the apply whose failure was already counted, so one failed attempt
   is counted once however many cycles observe it).
 
-Differences from the Go version, on purpose:
+Differences from the Go version, on purpose (Go bugs fixed; docs/compatibility.md,
+"VM re-apply guard", "In-flight applies" and "Retry grace reset", in this order):
 
-* Bug I14: for VMs the base guard is ``max(SCHEDULER_REAPPLY_GUARD, VM apply timeout)``; Go let
+* For VMs the base guard is ``max(SCHEDULER_REAPPLY_GUARD, VM apply timeout)``; Go let
   the guard replace the 240 s VM timeout. For other types the guard replaces the apply timeout,
   as in Go. The result is floored at 15 s (Go's ``defaultMissingGracePeriod``).
-* Bug I13: the guard is active from the *first* re-apply. After any apply request (the
+* The guard is active from the *first* re-apply. After any apply request (the
   dispatcher's or ours) the workload is "not yet visible" for the base guard: a Missing or
   Stopped observation in that window is not acted on.
-* Bug I15: a success (observed state = desired state) clears the grace window and the
+* A success (observed state = desired state) clears the grace window and the
   attempts, so a workload failing again days later gets its full grace again.
 """
 
@@ -57,14 +59,16 @@ RETRY_PENDING = "RetryPending"
 FAILED = "Failed"
 DEFAULT_MAX_ATTEMPTS = 5
 VM_TYPES = frozenset({"vm", "microvm", "micro-vm", "firecracker"})
-#: reason fragments that mean "the infrastructure failed", not the workload (E6)
+#: reason fragments that mean "the infrastructure failed", not the workload (Go's list:
+#: docs/compatibility.md, "Retry budget")
 INFRA_MARKERS = ("heartbeat expired", "no failover target", "connection refused",
                  "deadline exceeded", "transport: error while dialing")
 
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """The knobs of E5 and E6; built from ``Settings`` by the loop shell."""
+    """The knobs of the re-apply guard and the retry budget; built from ``Settings`` by the
+    loop shell."""
 
     #: SCHEDULER_REAPPLY_GUARD; 0 means "use the apply timeout of the type"
     reapply_guard_s: float = 45.0
@@ -108,11 +112,11 @@ def is_vm(workload_type: str) -> bool:
     return workload_type.strip().lower() in VM_TYPES
 
 
-# -- re-apply guard (E5) -------------------------------------------------------------------------
+# -- re-apply guard ------------------------------------------------------------------------------
 
 
 def base_guard_s(workload_type: str, policy: RetryPolicy) -> float:
-    """The base re-apply guard in seconds for a workload type (see the module note on I14)."""
+    """The base re-apply guard in seconds for a workload type (see the module note on VMs)."""
     timeout = policy.vm_apply_timeout_s if is_vm(workload_type) else policy.apply_timeout_s
     if policy.reapply_guard_s > 0:
         base = max(policy.reapply_guard_s, timeout) if is_vm(workload_type) else (
@@ -169,7 +173,8 @@ def reapply_guard(state: ReapplyState, *, revision_id: str, workload_type: str, 
 
     Not when the last apply was of another revision (a new revision goes out at once). Otherwise
     active while ``now < reapplyNextAt`` or, without that key, for one base guard after the last
-    apply request (or launch): an apply still settling is not re-sent (bug I13).
+    apply request (or launch): an apply still settling is not re-sent (docs/compatibility.md,
+    "In-flight applies").
 
     ``dispatched_at`` is the fallback anchor when no apply was recorded at all: the time the
     placement (or update) was committed, right after which the dispatcher sent the apply; its
@@ -208,7 +213,7 @@ def after_reapply(state: ReapplyState, *, revision_id: str, workload_type: str, 
     }
 
 
-# -- retry budget (E6) ---------------------------------------------------------------------------
+# -- retry budget --------------------------------------------------------------------------------
 
 
 def retry_backoff_s(attempts: int, policy: RetryPolicy) -> float:
@@ -226,7 +231,8 @@ def max_attempts_of(status: WorkloadStatus, policy: RetryPolicy) -> int:
 
 
 def preferred_reason(reason: str, metadata: Mapping[str, Any]) -> str:
-    """The reason to show: the runtime's own error beats an infrastructure symptom (E6)."""
+    """The reason to show: the runtime's own error beats an infrastructure symptom, as in Go
+    (docs/compatibility.md, "Retry budget")."""
     runtime = str(metadata.get("last_runtime_error") or "").strip()
     low = reason.lower()
     infra = ("node" in low and "unavailable" in low) or any(m in low for m in INFRA_MARKERS)
@@ -252,7 +258,8 @@ class RetryOutcome:
 
 def decide_failure(status: WorkloadStatus, *, reason: str, now: datetime, policy: RetryPolicy,
                    workload_id: str = "", node_id: str = "") -> RetryOutcome:
-    """E6 ``UpdateWorkloadRetryOnFailure``: one more failure of this workload at ``now``.
+    """One more failure of this workload at ``now`` (Go ``UpdateWorkloadRetryOnFailure``,
+    docs/compatibility.md, "Retry budget").
 
     Inside the grace window (2 min from the first failure of this streak) attempts grow only up
     to ``max - 1``, so the budget cannot run out inside it; after it every failure counts and
@@ -334,12 +341,16 @@ def retry_wait(status: WorkloadStatus, now: datetime) -> datetime | None:
 
 
 def exhausted(status: WorkloadStatus, policy: RetryPolicy) -> bool:
-    """Terminal by the budget: attempts reached the maximum and the status says Failed (E4)."""
+    """Terminal by the budget: attempts reached the maximum and the status says Failed.
+
+    One of Go's halt conditions (docs/compatibility.md, "Reconcile order")."""
     return status.status == FAILED and status.retry.attempts >= max_attempts_of(status, policy)
 
 
 def needs_success_reset(status: WorkloadStatus) -> bool:
-    """Is there failure or re-apply bookkeeping that a success must clear (bug I15)?"""
+    """Is there failure or re-apply bookkeeping that a success must clear?
+
+    See docs/compatibility.md, "Retry grace reset"."""
     return (status.retry.attempts > 0 or bool(status.retry.next_retry_at)
             or not SUCCESS_CLEARS.isdisjoint(status.metadata))
 

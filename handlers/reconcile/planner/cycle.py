@@ -1,4 +1,4 @@
-"""The plan of one cycle: every owned workload's action, node by node (persys-facts E4).
+"""The plan of one cycle: every owned workload's action, node by node.
 
 Why apart from the per-workload decision (``handlers.reconcile.planner.workload``): a cycle plans
 100,000 workloads at 5,000 nodes, so how they are grouped and skipped matters as much as what
@@ -6,6 +6,7 @@ each one gets. ``plan_node`` and ``plan_unassigned`` are the pieces the reconcil
 node-by-node plan (``handlers.reconcile.planning.plan_by_node``) is built from; ``plan_cycle``
 is the whole-cycle reference tests hold it to; ``SteadyNodes`` is the memo that lets a node
 whose inputs did not change be answered without reading its workloads. No I/O, no clock.
+Go's order: docs/compatibility.md, "Reconcile order".
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from handlers.reconcile.planner.inputs import NodeObservation, NodeView, Observe
 from handlers.reconcile.planner.workload import NOOP, Action, plan_workload, steady_running
 from handlers.workloads.retry import RetryPolicy
 
-#: statuses a cycle leaves alone (E4: "skip workloads with status Completed or Deleted")
+#: statuses a cycle leaves alone (Completed and Deleted: docs/compatibility.md, "Reconcile order")
 FINISHED_STATUSES = frozenset({"completed", "deleted"})
 
 
@@ -78,7 +79,7 @@ def plan_node(node: str, workload_ids: Iterable[str], specs: Mapping[str, Worklo
     Appends to ``actions`` and ``steady`` rather than returning lists: a cycle calls this once
     per node, thousands of times. Workloads without a spec or status record are skipped (a
     create writes both in one transaction, so that is a half-visible projection, not a state to
-    repair), and so are Completed and Deleted ones (E4 step 2) and those in ``exclude``.
+    repair), and so are Completed and Deleted ones (as in Go) and those in ``exclude``.
     """
     available, listed, may_move, alive = facts
     for workload_id in sorted(workload_ids):

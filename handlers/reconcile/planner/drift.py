@@ -1,10 +1,11 @@
-"""Drift classification: what an agent holds that the scheduler does not expect (persys-facts E7).
+"""Drift classification: what an agent holds that the scheduler does not expect.
 
 Why apart: drift compares whole listings with the assignments (orphans, duplicates, owners
 rotated or gone, missing workloads), a different question from the per-workload decision, and
 it runs only on the cycles asked for it. ``classify_drift`` returns findings as data; the
 reconcile loop's remediation (``handlers.reconcile.remediation``) carries them out, and
-``DriftDeduper`` bounds how often each finding is reported. No I/O, no clock.
+``DriftDeduper`` bounds how often each finding is reported. No I/O, no clock. Go's types and
+actions: docs/compatibility.md, "Drift detection"; what is ours: "Drift adoption".
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ class DriftFinding:
 
 def _in_flight(spec: WorkloadSpec | None, status: WorkloadStatus, now: datetime,
                policy: RetryPolicy) -> bool:
-    """An apply was sent recently enough that the agent's list may not show it yet (I13)."""
+    """An apply was sent recently enough that the agent's list may not show it yet.
+
+    See docs/compatibility.md, "In-flight applies"."""
     verdict = reapply_guard(ReapplyState.read(status.metadata),
                             revision_id=spec.revision_id if spec else "",
                             workload_type=spec.type if spec else "", now=now, policy=policy,
@@ -98,7 +101,7 @@ def classify_drift(
     now: datetime,
     policy: RetryPolicy,
 ) -> list[DriftFinding]:
-    """Compare every successfully listed node with what is assigned to it (E7).
+    """Compare every successfully listed node with what is assigned to it.
 
     ``expected`` maps node id -> workload ids assigned to it. Only nodes in ``observations``
     with ``ok`` are compared; owners that were not listed count as "unknown" (never "missing").
@@ -232,10 +235,11 @@ def _real(endpoint: str) -> bool:
 
 
 class DriftDeduper:
-    """Admits one DriftDetected per (node, workload, type, action) per window (E7: 2 min).
+    """Admits one DriftDetected per (node, workload, type, action) per window.
 
-    Bounded: above ``max_entries`` the entries older than the window are pruned, and if that is
-    not enough the oldest are dropped (a dropped key may be reported again: harmless).
+    The window is Go's 2 minutes (docs/compatibility.md, "Drift detection"). Bounded: above
+    ``max_entries`` the entries older than the window are pruned, and if that is not enough the
+    oldest are dropped (a dropped key may be reported again: harmless).
     """
 
     def __init__(self, *, window_s: float = 120.0, max_entries: int = 4096) -> None:

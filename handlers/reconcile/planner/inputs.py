@@ -94,7 +94,8 @@ def node_view(node_id: str, node: Node | None, *, alive: bool) -> NodeView:
 
 def owns_workload(workload_id: str, *, shard_count: int, shard_index: int) -> bool:
     """Which shard places an unassigned workload: crc32(workload id) mod count (our choice;
-    the Go treatment of unassigned workloads in active-active mode is unknown, E4)."""
+    how Go placed them in active-active mode is unknown: docs/compatibility.md,
+    "Shard topology")."""
     if shard_count <= 1:
         return True
     return zlib.crc32(workload_id.encode()) % shard_count == shard_index

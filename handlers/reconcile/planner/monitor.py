@@ -1,8 +1,9 @@
-"""The node monitor's decision: which nodes are lost, which are removed (persys-facts E1).
+"""The node monitor's decision: which nodes are lost, which are removed.
 
 Why apart: the monitor's shell (``handlers.reconcile.monitor``) reads the projections and
 writes; which Ready nodes turn NotReady and which long-NotReady nodes are collected is decided
-here from the checks and ``now`` alone, without I/O or clock reads.
+here from the checks and ``now`` alone, without I/O or clock reads. The rules:
+docs/compatibility.md, "Node lifecycle", "Liveness leases" and "Node events".
 """
 
 from __future__ import annotations

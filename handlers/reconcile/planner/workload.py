@@ -1,4 +1,4 @@
-"""The per-workload decision: the one action for a workload this cycle (persys-facts E4).
+"""The per-workload decision: the one action for a workload this cycle.
 
 Why: the loops in ``handlers.reconcile.cycle`` only gather inputs (the projections and one agent
 ``ListWorkloads`` per owned node) and carry out actions; *what* to do is decided here, from
@@ -6,7 +6,8 @@ Why: the loops in ``handlers.reconcile.cycle`` only gather inputs (the projectio
 actions whose ``rpc`` is set make an agent call and only those whose ``writes`` is set write to
 etcd, which is how a steady-state cycle costs one RPC per owned node and no write at all.
 
-Order of ``plan_workload`` (E4 ``ReconcileWorkload``, reshaped around the prefetch):
+Order of ``plan_workload`` (Go ``ReconcileWorkload``, docs/compatibility.md, "Reconcile order",
+reshaped around the prefetch):
 
 1. desired Deleted: delete on the agent when it still reports the workload, else finalise;
 2. terminal (retry budget exhausted, ``retry_terminal``, a non-retryable failure reason): halt;
@@ -14,15 +15,16 @@ Order of ``plan_workload`` (E4 ``ReconcileWorkload``, reshaped around the prefet
 4. unassigned: place;
 5. node unavailable: move it (failover, ``Rescheduled``) unless it is node-local (it waits) or
    the disruption guard has not admitted its node yet (``handlers.reconcile.disruption``; it waits);
-6. observed vs desired: re-apply (guarded, bug I13), count a failure (retry budget), apply
-   Stopped, settle (reset the bookkeeping after a success, bug I15), or nothing.
+6. observed vs desired: re-apply (guarded), count a failure (retry budget), apply Stopped,
+   settle (reset the bookkeeping after a success), or nothing. The guard and the reset fix two
+   Go bugs: docs/compatibility.md, "In-flight applies" and "Retry grace reset".
 
-An observed ``Failed`` is the agent's definitive answer, so it is governed by the retry budget
-(E6), not by the re-apply guard; ``Missing``/``Stopped`` may be an apply still in flight, so they
-are governed by the guard (E5).
+An observed ``Failed`` is the agent's definitive answer, so it is governed by the retry budget,
+not by the re-apply guard; ``Missing``/``Stopped`` may be an apply still in flight, so they are
+governed by the guard (docs/compatibility.md, "Retry budget" and "Re-apply guard").
 
-The agent's status metadata (E4 "merged into the workload": ``vm.primary_ip``,
-``container.stderr``, ``failure_reason``, ... bounded and filtered by
+The agent's status metadata (docs/compatibility.md, "Workload status metadata":
+``vm.primary_ip``, ``container.stderr``, ``failure_reason``, ... bounded and filtered by
 ``handlers.workloads.metadata``) is news when a merge would change the stored status. The halt
 check (2.) reads it as merged; an action that writes the status anyway merges it
 (``Action.reported``), and one that would do nothing becomes ``RecordAgentMetadata``. Once merged
@@ -145,7 +147,8 @@ HALT_KEYS = frozenset({RETRY_TERMINAL, FAILURE_REASON})
 
 def halted(spec: WorkloadSpec, status: WorkloadStatus, policy: RetryPolicy,
            reported: Mapping[str, str | None] = NO_METADATA) -> str:
-    """Why re-applying must stop for good ('' if it must not), E4 ``shouldHaltReapply``.
+    """Why re-applying must stop for good ('' if it must not): Go's ``shouldHaltReapply``
+    (docs/compatibility.md, "Reconcile order").
 
     ``reported``: the agent's metadata news, merged before the check as Go merges it.
     A new metadata key read here belongs in ``HALT_KEYS`` too."""
@@ -200,7 +203,8 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
         if observed is not None:
             return act(DELETE, "desired Deleted and still on the agent")
         return act(FINALIZE, "gone from the agent")
-    # the agent's metadata news (E4: merged into the workload, and read by the halt check)
+    # the agent's metadata news (merged into the workload and read by the halt check:
+    # docs/compatibility.md, "Workload status metadata")
     if node_available and observed is not None and (
             observed.metadata or FAILURE_REASON in status.metadata):
         news = reported_news(spec, status, observed)
@@ -256,9 +260,10 @@ def plan_workload(spec: WorkloadSpec, status: WorkloadStatus, observed: Observed
                       else "workload failed on the agent")
             if FAILURE_COUNTED_FOR in status.metadata and is_vm(spec.type):
                 # a VM re-applied after a counted failure boots for minutes, and meanwhile an
-                # agent lists its old Failed (persys-facts I13): the failure already counted.
-                # The re-apply guard (at least the VM apply timeout, I14) bounds the wait, as
-                # Go's guard did (E4 step 8); a container's apply shows its outcome at once
+                # agent lists its old Failed (docs/compatibility.md, "Agent quirks"): the
+                # failure already counted. The re-apply guard (at least the VM apply timeout,
+                # "VM re-apply guard" there) bounds the wait, as Go's guard did
+                # ("Reconcile order" there); a container's apply shows its outcome at once
                 return guarded(COUNT_FAILURE, failed)
             return act(COUNT_FAILURE, failed)
         if actual in (MISSING, STOPPED):

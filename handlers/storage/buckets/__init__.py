@@ -1,10 +1,11 @@
-"""The bucket API: Ceph RGW buckets with per-bucket credentials held in Vault (persys-facts E15).
+"""The bucket API: Ceph RGW buckets with per-bucket credentials held in Vault.
 
 Why it exists: tenants get S3 buckets on the cluster's RADOS Gateway, each with its own RGW
 user and keys that can reach that bucket and nothing else. RGW is the only inventory (no etcd
-records, no events): a bucket exists when RGW says so.
+records, no events): a bucket exists when RGW says so. What is kept from the Go version:
+docs/compatibility.md, "Buckets".
 
-How (and where it differs from the Go version, persys-facts I.18):
+How (and where it differs from the Go version: docs/compatibility.md, "Bucket API rules"):
 
 * CreateBucket: validate -> HEAD -> claim the name in Vault -> create the RGW user
   ``persys-bkt-<bucket>`` with keys that RGW generates (so the secret is never in a URL or an
@@ -41,8 +42,8 @@ How (and where it differs from the Go version, persys-facts I.18):
 * GetBucketAccess does NOT return the secret key (decision): the secret is returned once, by
   CreateBucket, as the proto comment says; afterwards it is read from Vault at ``vault_path``
   by whoever Vault's policies allow. The Go version returned it on every call to anyone the
-  mTLS CA trusts, agents included (persys-facts I.21). The answer has everything else
-  (endpoint, region, bucket, access key, vault_path, s3_url), read from Vault.
+  mTLS CA trusts, agents included (docs/compatibility.md, "Bucket API rules"). The answer has
+  everything else (endpoint, region, bucket, access key, vault_path, s3_url), read from Vault.
 * Regions: RGW serves one zonegroup; a request ``region`` other than the configured one is
   INVALID_ARGUMENT (the Go version signed with it and reported it, without effect).
 

@@ -3,8 +3,8 @@
 isort:skip_file
 Wire contract of the compute-agent gRPC API, as the scheduler calls it.
 
-Written for persys-scheduler (Python) from the interface facts in
-persys-facts.md section C. Names, numbers and types must stay
+Written for persys-scheduler (Python) after the compute-agent's proto
+(docs/compatibility.md, "Agent API"). Names, numbers and types must stay
 wire-compatible with compute-agent; the scheduler is the client here.
 """
 

@@ -3,11 +3,12 @@
 isort:skip_file
 Wire contract of the persys control plane (scheduler) gRPC API.
 
-Written for persys-scheduler (Python) from the interface facts in
-persys-facts.md section B. Message/field names, numbers and types must
-stay wire-compatible with the Go scheduler, its agents, persysctl,
-persys-gateway and persys-automation. Only additive changes are allowed;
-our own additions are numbered from 100 upward and marked "EXTENSION".
+Written for persys-scheduler (Python) after the Go scheduler's proto
+(docs/compatibility.md, "Control API"). Message/field names, numbers and
+types must stay wire-compatible with the Go scheduler, its agents,
+persysctl, persys-gateway and persys-automation. Only additive changes
+are allowed; our own additions are numbered from 100 upward and marked
+"EXTENSION".
 """
 
 from collections import abc as _abc
