@@ -30,7 +30,8 @@ def set_time(target: Timestamp, value: str | datetime | None) -> None:
 
 
 def node_view(node: Node, allocation: Allocation | None, *, alive: bool,
-              last_heartbeat: datetime | None = None) -> control_pb2.NodeView:
+              last_heartbeat: datetime | None = None,
+              used: tuple[int, int] | None = None) -> control_pb2.NodeView:
     """``last_heartbeat``: the newest heartbeat known outside the record (handlers.nodes.usage); the
     view shows it or the record's ``lastHeartbeat``, whichever is newer."""
     view = control_pb2.NodeView(
@@ -46,8 +47,21 @@ def node_view(node: Node, allocation: Allocation | None, *, alive: bool,
     )
     allocated_cpu = allocation.cpu_millicores / 1000.0 if allocation else 0.0
     allocated_mem = allocation.memory_mb if allocation else 0
-    view.available_cpu_cores = max(0.0, node.total_cpu - allocated_cpu)
-    view.available_memory_mb = max(0, node.total_memory - allocated_mem)
+    view.allocated_cpu_cores = allocated_cpu
+    view.allocated_memory_mb = allocated_mem
+    view.allocatable_cpu_cores = max(0.0, node.total_cpu - allocated_cpu)
+    view.allocatable_memory_mb = max(0, node.total_memory - allocated_mem)
+    # the Go fields keep the Go meaning: total minus what the agent reported in use
+    # (docs/compatibility.md, "Available CPU and memory")
+    if used is not None:
+        view.usage_reported = True
+        view.used_cpu_cores = used[0] / 1000.0
+        view.used_memory_mb = used[1]
+        view.available_cpu_cores = max(0.0, node.total_cpu - used[0] / 1000.0)
+        view.available_memory_mb = max(0, node.total_memory - used[1])
+    else:
+        view.available_cpu_cores = node.total_cpu
+        view.available_memory_mb = node.total_memory
     set_time(view.status_updated_at, node.status_updated_at)
     recorded = parse_rfc3339(node.last_heartbeat)
     if last_heartbeat is None or (recorded is not None and recorded > last_heartbeat):

@@ -256,20 +256,21 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
     async def _node_view(self, node_id: str) -> control_pb2.NodeView:
         if self.cluster.nodes.get(node_id) is None:
             return control_pb2.NodeView(node_id=node_id)
-        beats = await self.usage.last_heartbeats([node_id])
-        return self._view_of(node_id, beats.get(node_id)) or control_pb2.NodeView(
-            node_id=node_id)
+        reports = await self.usage.last_reports([node_id])
+        at, used = reports.get(node_id, (None, None))
+        return self._view_of(node_id, at, used) or control_pb2.NodeView(node_id=node_id)
 
     def _control_view(self, node_id: str) -> control_pb2.NodeView:
         """The view a node control (drain, taint, label) answers with: its last heartbeat as
         this replica saw it, without the Redis read GetNode makes. Why: a label or taint
         change is a write path that runs at hundreds per second (the events benchmark), and
         the answer is about the change, not the heartbeat."""
-        return self._view_of(node_id, self.usage.heartbeat_seen_here(node_id)) or (
+        return self._view_of(node_id, self.usage.heartbeat_seen_here(node_id),
+                             self.usage.used_seen_here(node_id)) or (
             control_pb2.NodeView(node_id=node_id))
 
-    def _view_of(self, node_id: str, last_heartbeat: datetime | None
-                 ) -> control_pb2.NodeView | None:
+    def _view_of(self, node_id: str, last_heartbeat: datetime | None,
+                 used: tuple[int, int] | None = None) -> control_pb2.NodeView | None:
         """The node's view from the projections; ``last_heartbeat`` from handlers.nodes.usage (a
         heartbeat writes nothing to etcd)."""
         item = self.cluster.nodes.get(node_id)
@@ -278,7 +279,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         alloc = self.cluster.allocations.get(node_id)
         return node_view(item.value, alloc.value if alloc else None,
                          alive=self.cluster.alive.get(node_id) is not None,
-                         last_heartbeat=last_heartbeat)
+                         last_heartbeat=last_heartbeat, used=used)
 
     async def DrainNode(self, request: control_pb2.DrainNodeRequest,
                         context: grpc.aio.ServicerContext) -> control_pb2.DrainNodeResponse:
@@ -387,9 +388,10 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         wanted = request.status.strip().lower()
         resp = control_pb2.ListNodesResponse()
         node_ids = sorted(self.cluster.nodes.items)
-        beats = await self.usage.last_heartbeats(node_ids)  # one read for the whole listing
+        reports = await self.usage.last_reports(node_ids)  # one read for the whole listing
         for node_id in node_ids:
-            view = self._view_of(node_id, beats.get(node_id))
+            at, used = reports.get(node_id, (None, None))
+            view = self._view_of(node_id, at, used)
             if view is None or (wanted and view.status.lower() != wanted):
                 continue  # deleted while the heartbeat times were read, or filtered out
             resp.nodes.append(view)

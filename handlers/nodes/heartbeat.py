@@ -95,7 +95,9 @@ class Heartbeats:
         now = self.clock.now()
         # NodeView.last_heartbeat, kept outside etcd (handlers.nodes.usage): also while degraded,
         # since the heartbeat did arrive
-        self.usage.heartbeat(node_id, now)
+        used = ((req.usage.cpu_used_millicores, req.usage.memory_used_mb)
+                if req.HasField("usage") else None)
+        self.usage.heartbeat(node_id, now, used)
         lease_until = now + timedelta(seconds=self.settings.node_lease_ttl_s)
         if not self.mode.writable:
             # keep the fleet as it is: an etcd blip must not make agents stop their workloads

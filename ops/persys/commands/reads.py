@@ -26,12 +26,31 @@ from proto.persys.control.v1 import control_pb2
 RECENT_EVENTS = 10
 
 
+def has_allocations(view: control_pb2.NodeView) -> bool:
+    """This scheduler's views carry the allocations; a Go scheduler's do not."""
+    return bool(view.allocatable_cpu_cores or view.allocated_cpu_cores
+                or view.allocatable_memory_mb or view.allocated_memory_mb)
+
+
 def allocated(view: control_pb2.NodeView) -> tuple[float, float, int, int]:
-    """(cpu used, cpu total, memory used MB, memory total MB) as the view gives them."""
+    """(cpu allocated, cpu total, memory allocated MB, memory total MB): what placement
+    counts. A Go scheduler's view has no allocations: its ``available`` fields are used."""
     cpu_total = view.total_cpu_cores
     mem_total = view.total_memory_mb
+    if has_allocations(view):
+        return view.allocated_cpu_cores, cpu_total, view.allocated_memory_mb, mem_total
     return (max(0.0, cpu_total - view.available_cpu_cores), cpu_total,
             max(0, mem_total - view.available_memory_mb), mem_total)
+
+
+def used_text(view: control_pb2.NodeView) -> str:
+    """What the agent reported in use (the Go meaning of ``available``)."""
+    if view.usage_reported:
+        return f"{view.used_cpu_cores:g} cores, {view.used_memory_mb} MB"
+    if not has_allocations(view):  # a Go scheduler: available = total - used
+        return (f"{max(0.0, view.total_cpu_cores - view.available_cpu_cores):g} cores, "
+                f"{max(0, view.total_memory_mb - view.available_memory_mb)} MB")
+    return "-"
 
 
 def _styled(status: str) -> Text:
@@ -45,7 +64,7 @@ def node_rows(table: Table, nodes: list[control_pb2.NodeView], wide: bool) -> No
             n.node_id, _styled(n.status),
             f"{bar(cpu_used, cpu_total)} {cpu_used:g}/{cpu_total:g}",
             f"{bar(mem_used, mem_total)} {mem_used}/{mem_total} MB",
-            ago(n.last_heartbeat),
+            used_text(n), ago(n.last_heartbeat),
         ]
         if wide:
             row += [n.grpc_endpoint, ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())),
@@ -54,7 +73,8 @@ def node_rows(table: Table, nodes: list[control_pb2.NodeView], wide: bool) -> No
         table.add_row(*row)
 
 
-NODE_COLUMNS = ("NODE", "STATUS", "CPU (cores allocated)", "MEMORY (allocated)", "HEARTBEAT")
+NODE_COLUMNS = ("NODE", "STATUS", "CPU (cores allocated)", "MEMORY (allocated)", "IN USE",
+                "HEARTBEAT")
 NODE_WIDE = ("ENDPOINT", "LABELS", "TAINTS", "TYPES", "REASON")
 
 
@@ -96,6 +116,7 @@ def node_cmd(session: Session, node_id: str, fmt: str) -> None:
             ("Endpoint", node.grpc_endpoint),
             ("CPU", f"{bar(cpu_used, cpu_total)} {cpu_used:g} of {cpu_total:g} cores allocated"),
             ("Memory", f"{bar(mem_used, mem_total)} {mem_used} of {mem_total} MB allocated"),
+            ("In use", f"{used_text(node)} (as its agent reported)"),
             ("Types", ", ".join(node.supported_workload_types) or "-"),
             ("Labels", ", ".join(f"{k}={v}" for k, v in sorted(node.labels.items())) or "-"),
             ("Taints", ", ".join(f"{t.key}={t.value}:{t.effect or 'NoSchedule'}"

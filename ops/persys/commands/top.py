@@ -43,7 +43,7 @@ def _summary(s: control_pb2.GetClusterSummaryResponse, server: str, note: str) -
 def _nodes(nodes: list[control_pb2.NodeView], rows: int) -> Panel:
     ordered = sorted(nodes, key=lambda n: (-_fill(n), n.node_id))[:rows]
     table: Table = new_table("NODE", "STATUS", "CPU (allocated)", "MEMORY (allocated)",
-                             "HEARTBEAT")
+                             "IN USE", "HEARTBEAT")
     node_rows(table, ordered, wide=False)
     more = f" (fullest {len(ordered)} of {len(nodes)})" if len(nodes) > len(ordered) else ""
     return Panel(table, title=f"nodes{more}")

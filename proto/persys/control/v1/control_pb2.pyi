@@ -1577,6 +1577,13 @@ class NodeView(_message.Message):
     SUPPORTED_WORKLOAD_TYPES_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     TAINTS_FIELD_NUMBER: _builtins.int
+    ALLOCATED_CPU_CORES_FIELD_NUMBER: _builtins.int
+    ALLOCATED_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    ALLOCATABLE_CPU_CORES_FIELD_NUMBER: _builtins.int
+    ALLOCATABLE_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    USED_CPU_CORES_FIELD_NUMBER: _builtins.int
+    USED_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    USAGE_REPORTED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     status: _builtins.str
     status_reason: _builtins.str
@@ -1586,6 +1593,19 @@ class NodeView(_message.Message):
     available_cpu_cores: _builtins.float
     total_memory_mb: _builtins.int
     available_memory_mb: _builtins.int
+    allocated_cpu_cores: _builtins.float
+    """EXTENSION (persys-scheduler Python, not in the Go proto). The Go fields above keep
+    their Go meaning: available = total minus what the agent last reported in use (total
+    when it never said). What placement counts is here: the allocations of the workloads
+    assigned to the node, and what is left for new ones.
+    """
+    allocated_memory_mb: _builtins.int
+    allocatable_cpu_cores: _builtins.float
+    allocatable_memory_mb: _builtins.int
+    used_cpu_cores: _builtins.float
+    """What the agent last reported in use (its heartbeat's NodeUsage), when usage_reported."""
+    used_memory_mb: _builtins.int
+    usage_reported: _builtins.bool
     @_builtins.property
     def status_updated_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1613,10 +1633,17 @@ class NodeView(_message.Message):
         supported_workload_types: _abc.Iterable[_builtins.str] | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         taints: _abc.Iterable[Global___NodeTaint] | None = ...,
+        allocated_cpu_cores: _builtins.float = ...,
+        allocated_memory_mb: _builtins.int = ...,
+        allocatable_cpu_cores: _builtins.float = ...,
+        allocatable_memory_mb: _builtins.int = ...,
+        used_cpu_cores: _builtins.float = ...,
+        used_memory_mb: _builtins.int = ...,
+        usage_reported: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat", "status_updated_at", b"status_updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_cpu_cores", b"available_cpu_cores", "available_memory_mb", b"available_memory_mb", "grpc_endpoint", b"grpc_endpoint", "labels", b"labels", "last_heartbeat", b"last_heartbeat", "node_id", b"node_id", "status", b"status", "status_reason", b"status_reason", "status_updated_at", b"status_updated_at", "status_updated_by", b"status_updated_by", "supported_workload_types", b"supported_workload_types", "taints", b"taints", "total_cpu_cores", b"total_cpu_cores", "total_memory_mb", b"total_memory_mb"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocatable_cpu_cores", b"allocatable_cpu_cores", "allocatable_memory_mb", b"allocatable_memory_mb", "allocated_cpu_cores", b"allocated_cpu_cores", "allocated_memory_mb", b"allocated_memory_mb", "available_cpu_cores", b"available_cpu_cores", "available_memory_mb", b"available_memory_mb", "grpc_endpoint", b"grpc_endpoint", "labels", b"labels", "last_heartbeat", b"last_heartbeat", "node_id", b"node_id", "status", b"status", "status_reason", b"status_reason", "status_updated_at", b"status_updated_at", "status_updated_by", b"status_updated_by", "supported_workload_types", b"supported_workload_types", "taints", b"taints", "total_cpu_cores", b"total_cpu_cores", "total_memory_mb", b"total_memory_mb", "usage_reported", b"usage_reported", "used_cpu_cores", b"used_cpu_cores", "used_memory_mb", b"used_memory_mb"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
