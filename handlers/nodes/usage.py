@@ -53,8 +53,9 @@ _compact = json.JSONEncoder(separators=(",", ":")).encode
 #: one JSON array of heartbeats in the order of their keys, each [time, value]: the time in
 #: milliseconds since the epoch, the value that time followed by the node's reported CPU
 #: (millicores) and memory (MB) in use when the agent said, space-separated. One argument
-#: for the batch instead of seven per snapshot, because redis-py packs every argument in Python (at 500 heartbeats/s packing 3,500 arguments per batch was 9% of the
-#: scheduler's CPU) while Redis decodes the array in C. Entries have the Go version's fields. A
+#: for the batch instead of seven per snapshot, because redis-py packs every argument in
+#: Python (at 500 heartbeats/s packing 3,500 arguments per batch was 9% of the scheduler's
+#: CPU) while Redis decodes the array in C. Entries have the Go version's fields. A
 #: heartbeat time replaces only an older one (another replica may have written a newer one).
 RECORD_SCRIPT = """
 local rows = cjson.decode(ARGV[4])
