@@ -113,7 +113,9 @@ class Scheduler:
                                      clock=self.clock, layout=self.layout,
                                      concurrency=settings.reconcile_concurrency,
                                      apply_timeout=settings.agent_apply_timeout_s,
-                                     vm_apply_timeout=settings.agent_vm_apply_timeout_s)
+                                     vm_apply_timeout=settings.agent_vm_apply_timeout_s,
+                                     delete_confirm_s=settings.agent_delete_timeout_s,
+                                     delete_poll_s=settings.agent_status_poll_interval_s)
         self.batcher = PlacementBatcher(self.committer, self.cluster, self.layout)
         self.workloads = WorkloadCommands(cluster=self.cluster, committer=self.committer,
                                           writer=self.writer, placer=self.placer,

@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf.message import DecodeError
-
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer, retry_on_conflict
 from eventsource.errors import Conflict, NotLeader, StoreError
@@ -35,6 +33,7 @@ from handlers.storage.attachments import (
     used_by,
 )
 from handlers.workloads.changes import delete_workload_change
+from handlers.workloads.evidence import AgentEvidence
 from handlers.workloads.metadata import agent_metadata, merge_metadata, metadata_news
 from handlers.workloads.retry import is_vm
 from handlers.writes.cas import NotFound, StateWriter
@@ -58,7 +57,7 @@ def refused(answer: Any) -> bool:
     (Docker's "network persys-net not found"), and the Go scheduler, which took it for
     "gone", removed the state of workloads its agents still ran (docs/compatibility.md,
     "Not-found deletes"). Whether the workload is there is asked of the agent
-    (``Dispatcher.gone_from_agent``) or read from its next listing (the reconcile loop).
+    (``handlers.workloads.evidence``) or read from its next listing (the reconcile loop).
     """
     return not answer.success
 
@@ -84,8 +83,12 @@ class Dispatcher:
         concurrency: int = 64,
         apply_timeout: float = 45.0,
         vm_apply_timeout: float = 240.0,
+        delete_confirm_s: float = 60.0,
+        delete_poll_s: float = 1.0,
     ) -> None:
         self.pool = pool
+        self.gone = AgentEvidence(pool, clock=clock, wait_s=delete_confirm_s,
+                                  poll_s=delete_poll_s)
         self.cluster = cluster
         self.committer = committer
         self.writer = writer
@@ -282,7 +285,7 @@ class Dispatcher:
             if endpoint is not None:
                 try:
                     answer = await self.pool.delete(node_id, endpoint, workload_id)
-                    if refused(answer) and not await self.gone_from_agent(
+                    if refused(answer) and not await self.gone.gone(
                             node_id, endpoint, workload_id):
                         # the agent still holds it (or cannot say): finalising could leave an
                         # orphan there
@@ -299,6 +302,9 @@ class Dispatcher:
                         return
                 except NotLeader:
                     return
+                else:
+                    # as in Go: Deleting until the agent no longer lists it (or the wait ends)
+                    await self.gone.wait_gone(node_id, endpoint, workload_id)
             try:
                 if after:
                     await self.cluster.wait_for(after, which=("specs", "statuses",
@@ -306,32 +312,6 @@ class Dispatcher:
                 await self.finalize(workload_id)
             except StoreError as exc:
                 log.warning("delete finalisation failed workload_id=%s: %s", workload_id, exc)
-
-    async def gone_from_agent(self, node_id: str, endpoint: str, workload_id: str) -> bool:
-        """Whether the agent no longer holds the workload, on evidence only.
-
-        ``GetWorkloadStatus`` answering ``NOT_FOUND`` is evidence. A Go agent answers a missing
-        workload with a plain error (code UNKNOWN), so any other answer that is an error is
-        checked against its ``ListWorkloads``: not listed means gone. An answer with a status
-        (GetWorkloadStatus includes applies still in flight, which ListWorkloads does not),
-        or an agent that does not answer, is not.
-        """
-        try:
-            await self.pool.status(node_id, endpoint, workload_id)
-            return False
-        except AgentError as exc:
-            if exc.not_found:
-                return True
-            if exc.unreachable:
-                return False
-        try:
-            raw = await self.pool.list_workloads_raw(node_id, endpoint)
-            listing = agent_pb2.ListWorkloadsResponse.FromString(raw)
-        except (AgentError, DecodeError) as exc:
-            log.info("agent listing not read workload_id=%s node_id=%s: %s", workload_id,
-                     node_id, exc)
-            return False
-        return all(w.id != workload_id for w in listing.workloads)
 
     def forget_on(self, workload_id: str, node_id: str, *, leader_only: bool = False) -> None:
         """Best-effort removal of a moved workload from the node it left (``leader_only``: as

@@ -54,6 +54,9 @@ class NodeBehaviour:
     missing_runtimes: list[str] = field(default_factory=list)
     #: Answer deletes with success=false (an agent that cannot remove a workload now).
     refuse_deletes: bool = False
+    #: Delay between an accepted delete and the workload leaving the agent (a Go agent
+    #: answers at once and removes the container or VM afterwards).
+    delete_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.apply_latency_s < 0 or self.slow_answer_s < 0:

@@ -189,11 +189,20 @@ class SimRuntime:
         if self.behaviour.refuse_deletes:
             return agent_pb2.DeleteWorkloadResponse(
                 success=False, message="cannot delete the workload now: runtime busy")
-        self._workloads.pop(request.id, None)
-        self._changed()
+        if self.behaviour.delete_latency_s > 0 and request.id in self._workloads:
+            self._clock.call_later(self.behaviour.delete_latency_s,
+                                   partial(self._remove, request.id, self._epoch))
+        else:
+            self._remove(request.id, self._epoch)
         return agent_pb2.DeleteWorkloadResponse(
             success=True, message="workload deletion submitted for processing"
         )
+
+    def _remove(self, workload_id: str, epoch: int) -> None:
+        if epoch != self._epoch:
+            return
+        self._workloads.pop(workload_id, None)
+        self._changed()
 
     # -- apply state machine -----------------------------------------------------------------
 

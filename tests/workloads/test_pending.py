@@ -228,3 +228,34 @@ async def test_a_restart_of_every_replica_loses_no_pending_workload(
             for i in range(3):
                 await stub.DeleteWorkload(pb.DeleteWorkloadRequest(workload_id=f"fill-{i:02d}"))
             await wait_for(lambda: _count(placed(stub, kept), 3), timeout=15)
+
+
+async def test_a_deleted_workload_reads_deleting_until_its_agent_confirms(
+        etcd_server, redis_server, key_root, stream_key):
+    slow = NodeBehaviour(cpu_millicores=2000, memory_mb=8192, apply_latency_s=0.05,
+                         delete_latency_s=1.5)
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key,
+                             agent_status_poll_interval_s=0.2)
+    async with running_scheduler(settings) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        async with running_fleet(address, 1, behaviour=slow) as fleet, \
+                control_stub(address) as stub:
+            await fleet.wait_registered()
+            await wait_for(lambda: sched.leader.is_leader, timeout=15)
+            await stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+                workload_id="slow-delete", spec=container_spec(cpu_m=SMALL)))
+            await wait_for(lambda: all_running(stub, ["slow-delete"]), timeout=15)
+            resp = await stub.DeleteWorkload(pb.DeleteWorkloadRequest(workload_id="slow-delete"))
+            assert resp.success
+            asked = time.monotonic()
+            assert (await status(stub, "slow-delete")).status == "Deleting"
+
+            async def gone() -> bool:
+                try:
+                    await status(stub, "slow-delete")
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code() == grpc.StatusCode.NOT_FOUND
+                return False
+
+            await wait_for(gone, timeout=15, message="state removed once the agent let go")
+            assert time.monotonic() - asked >= 1.0  # it read Deleting while the agent held it
