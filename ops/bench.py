@@ -111,6 +111,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--recovery-timeout", type=_positive_float, default=None, metavar="S",
                       help="churn: give up waiting for recovery after S seconds "
                            "(default: 3 reconcile intervals + 1 heartbeat interval, >= 20)")
+    size.add_argument("--burst-size", type=_positive_int, default=20, metavar="N",
+                      help="pending: slots freed per burst (--cycles bursts; default 20)")
     size.add_argument("--kills", type=_positive_int, default=3,
                       help="failover: leader kills (default 3)")
     size.add_argument("--lease-ttl", type=_positive_int, default=15,

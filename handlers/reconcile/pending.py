@@ -136,8 +136,8 @@ class PendingPlacer:
         await self._note_refusal(workload_id, answer.refused, now)
         return Tried.REFUSED
 
-    async def pass_once(self, now: datetime) -> int:
-        """Try the pending heads, oldest first; the number placed."""
+    async def pass_once(self) -> int:
+        """Try the pending heads, oldest first (each at its own time); the number placed."""
         self.metrics.pending_passes.inc()
         generation = self.generation
         tour = PendingPass(self.index, skip=lambda s: self._refused.get(s) == generation)
@@ -148,7 +148,7 @@ class PendingPlacer:
             if not self.owns(workload_id):
                 tour.placed(workload_id)
                 continue
-            tried = await self.attempt(workload_id, now)
+            tried = await self.attempt(workload_id, self.shell.clock.now())
             if tried is Tried.REFUSED:
                 tour.refused(workload_id)
             else:
@@ -169,7 +169,7 @@ class PendingPlacer:
                 self.capacity_changed()
             self._wake.clear()
             try:
-                await self.pass_once(self.shell.clock.now())
+                await self.pass_once()
             except Exception:
                 # one bad record must not end placement for every pending workload
                 log.exception("pending placer pass failed")
