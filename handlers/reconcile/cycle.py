@@ -87,6 +87,7 @@ class ReconcileLoop(LoopShell):
         self.agent_calls = AgentCalls(self, self.status_writes, self.relocations)
         #: the placements of unassigned workloads, this cycle's and between cycles
         self.pending = PendingPlacer(self, self.relocations)
+        self.planning.handed_off = self.pending.index
         self.remediation = DriftRemediation(self, self.agent_calls)
 
     @property

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -150,6 +150,9 @@ class CyclePlanning:
         self.settings = shell.settings
         self.policy = shell.policy
         self.concurrency = shell.concurrency
+        #: unassigned workloads another part places (the pending placer's index): a cycle
+        #: that planned each of thousands of them would cost in proportion to their number
+        self.handed_off: Container[str] = ()
 
     def targets(self, views: Mapping[str, NodeView]) -> list[NodeView]:
         """The nodes this cycle lists: owned by this shard, available."""
@@ -263,7 +266,7 @@ class CyclePlanning:
         # the index, read together with the snapshot (no await in between), so it agrees with it
         groups, stamps, unassigned = owned_by_node(
             self.cluster.workloads, owns_node=self.leader.owns,
-            owns_unassigned=lambda wid: owns_workload(
+            owns_unassigned=lambda wid: wid not in self.handed_off and owns_workload(
                 wid, shard_count=self.settings.shard_count if self.settings.active_active else 1,
                 shard_index=self.settings.shard_index))
         findings: list[DriftFinding] = []

@@ -7,6 +7,7 @@ started again on the same ports and data (``--data-dir``) to test what a restart
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -83,6 +84,17 @@ def persys(*args: str, server: str | None = None, stdin: str | None = None,
         full_env["PERSYS_SERVER"] = server
     return subprocess.run([str(PERSYS), *args], input=stdin, capture_output=True, text=True,
                           env=full_env, timeout=timeout, check=False)
+
+
+async def persys_async(*args: str, env: dict[str, str] | None = None,
+                       timeout: float = 60) -> tuple[int, str, str]:
+    """``persys`` run without blocking the event loop (for a scheduler in the test's process)."""
+    proc = await asyncio.create_subprocess_exec(
+        str(PERSYS), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PERSYS_CONFIG": os.devnull, "NO_COLOR": "1", **(env or {})})
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
 
 
 def persys_json(*args: str, server: str) -> Any:

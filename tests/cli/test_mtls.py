@@ -3,27 +3,16 @@ against a scheduler serving with client-certificate authentication."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from tests.cli.stack import PERSYS
+from tests.cli.stack import persys_async
 from tests.fixtures.certs import Issued, TestCA
 from tests.fixtures.harness import make_settings, running_scheduler
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        str(PERSYS), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PERSYS_CONFIG": os.devnull, **(env or {})})
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 def flags(ca: TestCA, client: Issued) -> list[str]:
@@ -46,29 +35,29 @@ async def tls_server(tmp_path: Path, etcd_server, redis_server, key_root, stream
 async def test_an_operator_certificate_is_served(tls_server) -> None:  # type: ignore[no-untyped-def]
     server, ca = tls_server
     operator = ca.issue("persysctl")
-    code, out, err = await run("--server", server, *flags(ca, operator), "summary")
+    code, out, err = await persys_async("--server", server, *flags(ca, operator), "summary")
     assert code == 0, err
     assert "Nodes" in out
     env = {"PERSYS_SERVER": server, "PERSYS_TLS_CA": str(ca.cert_path),
            "PERSYS_TLS_CERT": str(operator.cert_path), "PERSYS_TLS_KEY": str(operator.key_path)}
-    code, _, err = await run("nodes", env=env)
+    code, _, err = await persys_async("nodes", env=env)
     assert code == 0, err
 
 
 async def test_refusals_and_failed_handshakes_have_their_exit_status(tls_server) -> None:  # type: ignore[no-untyped-def]
     server, ca = tls_server
     agent = ca.issue("compute-agent", names=("127.0.0.1",))
-    code, _, err = await run("--server", server, *flags(ca, agent), "summary")
+    code, _, err = await persys_async("--server", server, *flags(ca, agent), "summary")
     assert code == 1
     assert "PERMISSION_DENIED" in err
     stranger = TestCA(ca.cert_path.parent.parent / "stranger", name="stranger-ca")
     outsider = stranger.issue("persysctl")
-    code, _, err = await run("--server", server, *flags(stranger, outsider), "summary")
+    code, _, err = await persys_async("--server", server, *flags(stranger, outsider), "summary")
     assert code == 3
     assert f"cannot reach the scheduler at {server}" in err
-    code, _, err = await run("--server", server, "--insecure", "summary")
+    code, _, err = await persys_async("--server", server, "--insecure", "summary")
     assert code == 3
     assert "Traceback" not in err
-    code, _, err = await run("--server", server, "--ca", "/nonexistent/ca.pem", "summary")
+    code, _, err = await persys_async("--server", server, "--ca", "/nonexistent/ca.pem", "summary")
     assert code == 2
     assert "/nonexistent/ca.pem" in err

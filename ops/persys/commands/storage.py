@@ -102,10 +102,25 @@ def _bucket_table(views: list[control_pb2.BucketView], wide: bool) -> Table:
 @output_option
 @pass_session
 def bucket_create(session: Session, name: str, region: str, versioning: bool, fmt: str) -> None:
-    """Create a bucket; its credentials are kept in Vault (see `buckets access`)."""
+    """Create a bucket. Its secret key is printed this once; it is kept in Vault only."""
     answer = session.client.call("CreateBucket", control_pb2.CreateBucketRequest(
         name=name, region=region, versioning=versioning))
-    emit(fmt, message_dict(answer.bucket), lambda: _bucket_table([answer.bucket], False))
+
+    def table() -> list[Any]:
+        return [_bucket_table([answer.bucket], False), _access_table(answer.access),
+                "the secret key is shown once: it is kept in Vault at "
+                f"{answer.access.vault_path}"]
+
+    emit(fmt, {"bucket": message_dict(answer.bucket), "access": message_dict(answer.access)},
+         table)
+
+
+def _access_table(a: control_pb2.BucketAccess) -> Table:
+    t = new_table("", "")
+    for key in ("endpoint", "region", "bucket", "s3_url", "access_key", "secret_key",
+                "vault_path"):
+        t.add_row(key, getattr(a, key) or "-")
+    return t
 
 
 @buckets.command("list")
@@ -143,19 +158,11 @@ def bucket_delete(session: Session, bucket_id: str, force: bool) -> None:
 @output_option
 @pass_session
 def bucket_access(session: Session, bucket_id: str, fmt: str) -> None:
-    """The bucket's S3 endpoint and credentials (read from Vault)."""
+    """The bucket's S3 endpoint, access key and where its secret is kept in Vault (the secret
+    itself only `buckets create` prints)."""
     answer = session.client.call("GetBucketAccess",
                                  control_pb2.GetBucketAccessRequest(bucket_id=bucket_id))
-    a = answer.access
-
-    def table() -> Table:
-        t = new_table("", "")
-        for key in ("endpoint", "region", "bucket", "s3_url", "access_key", "secret_key",
-                    "vault_path"):
-            t.add_row(key, getattr(a, key))
-        return t
-
-    emit(fmt, message_dict(a), table)
+    emit(fmt, message_dict(answer.access), lambda: _access_table(answer.access))
 
 
 @buckets.command("objects")
