@@ -11,12 +11,9 @@ import pytest
 from tests.cli.stack import persys_async
 from tests.fixtures.buckets import bucket_env, s3_client
 from tests.fixtures.harness import make_settings, running_scheduler
-from tests.fixtures.storage import (  # noqa: F401 - fixtures
-    bucket_prefix,
-    openbao_server,
-    rgw_server,
-    vault_prefix,
-)
+from tests.fixtures.storage import bucket_prefix, openbao_server, rgw_server, vault_prefix
+
+__all__ = ["bucket_prefix", "openbao_server", "rgw_server", "vault_prefix"]
 
 pytestmark = pytest.mark.timeout(180)
 
