@@ -129,6 +129,13 @@ def test_explain_counts_refusals_by_reason(stack: DevStack) -> None:
     assert len(answer["refusal_sample"]) == stack.nodes
     dry = persys("apply", "--dry-run", "-f", "-", stdin=huge, server=stack.server)
     assert "fits nowhere: 0/" in dry.stdout
+    stored = persys("apply", "-f", "-", stdin=huge, server=stack.server)
+    assert stored.returncode == 0, stored.stderr
+    assert stored.stdout.startswith("workload cli-huge pending: no suitable node: 0/")
+    shown = persys_json("workload", "cli-huge", server=stack.server)["status"]["workload"]
+    assert shown["status"] == "Pending"
+    assert shown["reason"]["code"] == "Unschedulable"
+    assert persys("delete", "cli-huge", server=stack.server).returncode == 0
     persys("apply", "-f", "-", stdin=WEB, server=stack.server)
     placed = persys_json("explain", "cli-api", server=stack.server)
     assert placed["assigned_node_id"] == _get(stack, "cli-api").workload.assigned_node_id

@@ -26,12 +26,15 @@ def test_top_shows_nodes_and_events_in_a_terminal(stack: DevStack) -> None:
     env = f"PERSYS_SERVER={stack.server} PERSYS_CONFIG={os.devnull}"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "180", "-y", "50",
                     f"env {env} {PERSYS} top --interval 0.5"], check=True)
+    # a tmux server already running keeps its own default size: set this window's
+    subprocess.run(["tmux", "set-option", "-t", session, "window-size", "manual"], check=False)
+    subprocess.run(["tmux", "resize-window", "-t", session, "-x", "180", "-y", "50"], check=False)
     try:
         wait_for_sync(lambda: "persys top" in _screen(session), timeout=30)
         persys("label", nodes[0], "top-test=yes", server=stack.server)
         screen = wait_for_sync(
             lambda: (s := _screen(session)) and "NodeLabelSet" in s and s, timeout=30,
-            interval=0.2, message="the label event on the screen")
+            interval=0.2, message=f"the label event on the screen: {_screen(session)}")
         for node_id in nodes:
             assert node_id in screen
         assert "NodeJoined" in screen or "NodeLabelSet" in screen

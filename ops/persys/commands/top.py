@@ -87,10 +87,17 @@ def top_cmd(session: Session, interval: float, rows: int, iterations: int) -> No
             except CliError as exc:
                 note = f"refresh failed: {exc}"
                 summary, nodes = control_pb2.GetClusterSummaryResponse(), []
+            # what fits the terminal: the fullest nodes, then as many events as remain,
+            # newest first (a line wraps at narrow widths)
+            height = out.size.height
+            shown_rows = max(1, min(rows, len(nodes), (height - 12) // 2))
+            room = max(3, height - shown_rows - 11)
+            newest_first = list(reversed(feed))[:room]
             parts: list[Any] = [_summary(summary, session.target.server, note),
-                                _nodes(nodes, rows),
-                                Panel(Text("\n".join(feed) or "(no events yet)"),
-                                      title="events")]
+                                _nodes(nodes, shown_rows),
+                                Panel(Text("\n".join(newest_first) or "(no events yet)",
+                                           overflow="ellipsis", no_wrap=True),
+                                      title="events (newest first)")]
             live.update(Group(*parts), refresh=True)
             done += 1
             if iterations and done >= iterations:

@@ -12,6 +12,9 @@ from ops.persys.main import Session, pass_session
 from ops.persys.specfiles import Document, read_documents
 from proto.persys.control.v1 import control_pb2
 
+#: how a scheduler answers an apply it stored to place later (success=false, as the Go one)
+STORED_PENDING = "stored as Pending, placed when capacity appears: "
+
 
 def read_file_option(path: str, **kw: str) -> list[Document]:
     if path == "-":
@@ -55,6 +58,11 @@ def apply_cmd(session: Session, path: str, workload_id: str, wtype: str,
         answer = session.client.call("ApplyWorkload", doc.request)
         if answer.success:
             click.echo(f"workload {wid} applied")
+            continue
+        if answer.error_message.startswith(STORED_PENDING):
+            # stored: the scheduler places it when capacity appears (not a refusal)
+            click.echo(f"workload {wid} pending: "
+                       f"{answer.error_message.removeprefix(STORED_PENDING)}")
             continue
         refused += 1
         code = control_pb2.FailureReason.Name(answer.failure_reason)
