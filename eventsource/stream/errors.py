@@ -36,3 +36,8 @@ class SubscriptionClosed(StoreError):
 
 class SubscriptionOverflow(StoreError):
     """The subscriber fell too far behind and was dropped (answer RESOURCE_EXHAUSTED)."""
+
+
+class ReplicasBehind(RedisUnavailable):
+    """Fewer replicas than required acknowledged an append in time (``WAIT``): the entries are
+    on the master but may not survive its failover, so the relay keeps them in the outbox."""

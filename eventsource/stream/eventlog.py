@@ -12,10 +12,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from eventsource.events import StreamEntry
@@ -27,8 +28,17 @@ from eventsource.stream.errors import (
     StreamIdConflict,
     StreamWrongType,
 )
+from eventsource.stream.replicas import ReplicaWait
 
 log = logging.getLogger("persys.stream")
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """What one ``append_batch`` did: entries Redis took now, and ids it already held."""
+
+    added: int
+    present: frozenset[str]
 
 
 class RedisEventLog:
@@ -46,6 +56,9 @@ class RedisEventLog:
             async with asyncio.timeout(self.op_timeout):
                 yield
                 reraise_swallowed_cancel()
+        except ReadOnlyError as exc:
+            # a master demoted to a replica under us (a failover): Redis is unavailable here
+            raise RedisUnavailable(f"redis {what} on {self.key}: {exc!r}") from exc
         except ResponseError as exc:
             if "WRONGTYPE" in str(exc):
                 raise StreamWrongType(f"{self.key} is not a stream: {exc}") from exc
@@ -56,22 +69,28 @@ class RedisEventLog:
             raise RedisUnavailable(f"redis {what} on {self.key}: {exc!r}") from exc
 
     # -- appending ----------------------------------------------------------------------------
-    async def append_batch(self, entries: Sequence[tuple[str, str]], *, maxlen: int) -> None:
+    async def append_batch(self, entries: Sequence[tuple[str, str]], *, maxlen: int,
+                           wait: ReplicaWait | None = None) -> AppendResult:
         """XADD ``(id, data)`` pairs in one pipeline, in order, with ``MAXLEN ~ maxlen``.
 
         Idempotent: an id that Redis rejects as "equal or smaller" is accepted only when
         ``XRANGE id id`` holds the same ``eventId`` (a previous attempt already appended it),
         or when it lies below the oldest entry (appended, then trimmed by retention).
 
+        With ``wait``, the pipeline ends with ``WAIT`` for the replicas it asks for
+        (``eventsource.stream.replicas``): the append is done only once they hold it.
+
         Raises:
             StreamIdConflict: an id is taken by another event, or lies between the oldest
                 entry and the top but is absent (a stream not written from our outbox).
+            ReplicasBehind: appended, but fewer replicas than required hold it yet.
             RedisUnavailable: Redis failed; some entries may have been appended, which a retry
                 of the same batch recognises.
         """
         if not entries:
-            return
+            return AppendResult(added=0, present=frozenset())
         async with self._call("XADD"):
+            needed = await wait.needed(self._client) if wait is not None else 0
             pipe = self._client.pipeline(transaction=False)
             for stream_id, data in entries:
                 pipe.xadd(
@@ -81,7 +100,10 @@ class RedisEventLog:
                     maxlen=maxlen if maxlen > 0 else None,
                     approximate=True,
                 )
+            if needed:
+                pipe.execute_command("WAIT", needed, wait.timeout_ms if wait else 0)
             results = await pipe.execute(raise_on_error=False)
+        acked = results.pop() if needed else None
         rejected: list[tuple[str, str]] = []
         for (stream_id, data), result in zip(entries, results, strict=True):
             if isinstance(result, ResponseError) and "equal or smaller" in str(result):
@@ -92,6 +114,26 @@ class RedisEventLog:
                 raise RedisUnavailable(f"redis XADD {stream_id} on {self.key}: {result!r}")
         if rejected:
             await self._confirm_present(rejected)
+        if wait is not None and needed:
+            if len(rejected) == len(entries):
+                # nothing written on this connection: WAIT would count an older offset
+                acked = await self._sync_replicas(needed, wait.timeout_ms)
+            if not isinstance(acked, int):
+                raise RedisUnavailable(f"redis WAIT on {self.key}: {acked!r}")
+            async with self._call("INFO"):
+                await wait.judge(self._client, acked, needed)
+        return AppendResult(added=len(entries) - len(rejected),
+                            present=frozenset(stream_id for stream_id, _ in rejected))
+
+    async def _sync_replicas(self, needed: int, timeout_ms: int) -> object:
+        """WAIT after a write that covers everything before it (a PUBLISH, propagated to the
+        replicas like a write): the answer for entries another connection appended."""
+        async with self._call("WAIT"):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.publish(f"{self.key}:relay-sync", "1")
+            pipe.execute_command("WAIT", needed, timeout_ms)
+            results = await pipe.execute(raise_on_error=False)
+        return results[-1]
 
     async def _confirm_present(self, rejected: list[tuple[str, str]]) -> None:
         """Each rejected id holds our event, or lies below the oldest entry: retention
