@@ -181,8 +181,9 @@ class Metrics:
             "promoted a replica)", namespace=ns, subsystem=sub, registry=r,
         )
         self.events_reappended = Counter(
-            "events_reappended", "events the relay appended again because the stream of a "
-            "new Redis master lacked them (appended to the old one, not yet on a replica)",
+            "events_reappended", "events the relay appended again because the stream "
+            "lacked them although an earlier attempt had sent them (lost with a Redis master "
+            "that had not passed them to a replica, or never received)",
             namespace=ns, subsystem=sub, registry=r,
         )
         self.event_replica_waits = Counter(

@@ -44,6 +44,7 @@ from eventsource.relay.pruning import OutboxPruner
 from eventsource.relay.takeover import take_over
 from eventsource.relay.view import StreamView
 from eventsource.stream.errors import (
+    NothingSent,
     RedisUnavailable,
     ReplicasBehind,
     StreamIdConflict,
@@ -103,8 +104,9 @@ class OutboxPump:
         self._master = master
         #: the replicas an append waits for before it counts (None: the master's word)
         self._replicas = replicas
-        #: the newest id this relay appended that some master took: a record at or below it
-        #: that a later pass must append again was lost with a master (``events_reappended``)
+        #: the newest id this relay sent to Redis: a record at or below it that a later pass
+        #: finds missing and appends is sent again (``events_reappended``): lost with a
+        #: master that had not passed it to a replica, or never received
         self._appended_high: tuple[int, int] = (0, 0)
         #: the master address of the last pass (a change is logged)
         self._master_address = ""
@@ -278,15 +280,14 @@ class OutboxPump:
             raise NotLeader("relay lease renewal overdue: not appending")
         if self._master is not None:
             self._master.check()
-        high = self._appended_high
+        # sent from here on: a later pass that finds them missing sends them again
+        high, self._appended_high = self._appended_high, max(self._appended_high, plan.top)
         try:
             result = await self._stream.append_batch(plan.entries, maxlen=self._max_entries,
                                                      wait=self._replicas)
-        except ReplicasBehind:
-            # on the master, not yet safe: a new master lacking them will get them again
-            self._appended_high = max(high, plan.top)
+        except NothingSent:
+            self._appended_high = high  # never reached Redis: the next attempt is the first
             raise
-        self._appended_high = max(high, plan.top)
         again = sum(1 for r in chunk if r.order <= high and r.stream_id not in result.present)
         if again:
             self._metrics.events_reappended.inc(again)

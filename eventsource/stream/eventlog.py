@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -23,14 +24,28 @@ from eventsource.events import StreamEntry
 from eventsource.stream.clients import reraise_swallowed_cancel
 from eventsource.stream.entries import RawEntry, id_key, next_id, raw_entries
 from eventsource.stream.errors import (
+    NothingSent,
     RedisUnavailable,
     StreamError,
     StreamIdConflict,
     StreamWrongType,
 )
 from eventsource.stream.replicas import ReplicaWait
+from eventsource.stream.sentinel import MasterMoved
 
 log = logging.getLogger("persys.stream")
+
+
+def _never_connected(exc: BaseException) -> bool:
+    """Whether a failed round trip never had a connection: nothing of it reached Redis."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, MasterNotFoundError | MasterMoved | ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,25 +99,34 @@ class RedisEventLog:
             StreamIdConflict: an id is taken by another event, or lies between the oldest
                 entry and the top but is absent (a stream not written from our outbox).
             ReplicasBehind: appended, but fewer replicas than required hold it yet.
+            NothingSent: Redis could not be reached at all; nothing was appended.
             RedisUnavailable: Redis failed; some entries may have been appended, which a retry
                 of the same batch recognises.
         """
         if not entries:
             return AppendResult(added=0, present=frozenset())
-        async with self._call("XADD"):
-            needed = await wait.needed(self._client) if wait is not None else 0
-            pipe = self._client.pipeline(transaction=False)
-            for stream_id, data in entries:
-                pipe.xadd(
-                    self.key,
-                    {"data": data},
-                    id=stream_id,
-                    maxlen=maxlen if maxlen > 0 else None,
-                    approximate=True,
-                )
-            if needed:
-                pipe.execute_command("WAIT", needed, wait.timeout_ms if wait else 0)
-            results = await pipe.execute(raise_on_error=False)
+        needed = 0
+        if wait is not None:
+            async with self._call("INFO"):
+                needed = await wait.needed(self._client)
+        try:
+            async with self._call("XADD"):
+                pipe = self._client.pipeline(transaction=False)
+                for stream_id, data in entries:
+                    pipe.xadd(
+                        self.key,
+                        {"data": data},
+                        id=stream_id,
+                        maxlen=maxlen if maxlen > 0 else None,
+                        approximate=True,
+                    )
+                if needed:
+                    pipe.execute_command("WAIT", needed, wait.timeout_ms if wait else 0)
+                results = await pipe.execute(raise_on_error=False)
+        except RedisUnavailable as exc:
+            if _never_connected(exc):
+                raise NothingSent(str(exc)) from exc
+            raise
         acked = results.pop() if needed else None
         rejected: list[tuple[str, str]] = []
         for (stream_id, data), result in zip(entries, results, strict=True):
