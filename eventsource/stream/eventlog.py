@@ -106,10 +106,10 @@ class RedisEventLog:
         if not entries:
             return AppendResult(added=0, present=frozenset())
         needed = 0
-        if wait is not None:
-            async with self._call("INFO"):
-                needed = await wait.needed(self._client)
         try:
+            if wait is not None:
+                async with self._call("INFO"):
+                    needed = await wait.needed(self._client)
             async with self._call("XADD"):
                 pipe = self._client.pipeline(transaction=False)
                 for stream_id, data in entries:

@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 
 from eventsource.errors import Unavailable
 from eventsource.events import GAP_TYPE, StreamEntry, rfc3339
@@ -438,8 +438,9 @@ class StreamTailer:
     def _hold(self, exc: BaseException, cursor: str) -> bool:
         """Whether the subscribers are kept across this error (within ``hold_s`` of the
         outage's first error); a top below the cursor is expected for as long."""
-        if self.hold_s <= 0:
-            return False
+        if self.hold_s <= 0 or isinstance(exc, StreamError) or (
+                isinstance(exc, ResponseError) and not isinstance(exc, ReadOnlyError)):
+            return False  # not Redis away: the stream itself is wrong, as without the hold
         now = asyncio.get_running_loop().time()
         self._behind_until = now + self.hold_s
         if self._down_since is None:
