@@ -24,7 +24,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from eventsource.stream.entries import ZERO_ID
-from eventsource.stream.errors import ReplicasBehind
+from eventsource.stream.errors import RedisUnavailable, ReplicasBehind
 from eventsource.stream.eventlog import RedisEventLog
 from eventsource.stream.replicas import ReplicaWait
 from eventsource.stream.sentinel import MasterWatch, SentinelTarget, parse_sentinels
@@ -517,3 +517,44 @@ async def test_events_lost_with_the_master_are_marked_by_a_gap(
     assert [v for v, _, _ in seen.watcher.seen] == seen.expected
     assert [g.id for g in seen.watcher.gaps] == [gap.stream_id]
     assert seen.reappended == 0
+
+
+# -- Sentinels with a password -------------------------------------------------------------------
+@pytest.mark.timeout(120)
+async def test_sentinels_with_a_password(etcd_server, tmp_path, key_root, stream_key):
+    group = SentinelGroup(tmp_path, replicas=1, sentinel_password="s3/cr%t")
+    await asyncio.to_thread(group.start)
+    try:
+        settings = _settings(etcd_server, group, key_root, stream_key,
+                             redis_sentinel_password="s3/cr%t")
+        async with serving_fleet(settings, 1) as (sched, fleet, stub):
+            node = fleet.nodes[0].node_id
+            for i in range(5):
+                resp = await stub.SetNodeLabel(pb.SetNodeLabelRequest(
+                    node_id=node, key="seq", value=str(i)), timeout=10)
+                assert resp.accepted
+
+            async def listed() -> list[str]:
+                resp = await stub.ListEvents(pb.ListEventsRequest(type="NodeLabelSet",
+                                                                  limit=100))
+                return [e.details["value"] for e in resp.events]
+
+            await wait_for(lambda: _listed_all(listed, 5), timeout=20,
+                           message="events relayed through the Sentinels' master")
+            assert sched.redis_clients is not None
+            assert sched.redis_clients.master is not None
+            assert sched.redis_clients.master.master == group.master_addr()
+        # a wrong password finds no master: the clients say so instead of hanging
+        wrong = MasterWatch(SentinelTarget(parse_sentinels(group.sentinel_addrs), MASTER_NAME,
+                                           sentinel_password="wrong"))
+        try:
+            with pytest.raises(RedisUnavailable):
+                await wrong.discover()
+        finally:
+            await wrong.aclose()
+    finally:
+        await asyncio.to_thread(group.stop)
+
+
+async def _listed_all(listed: Callable[[], Any], count: int) -> bool:
+    return await listed() == [str(i) for i in range(count)]
