@@ -29,6 +29,7 @@ from eventsource.stream.eventlog import RedisEventLog
 from eventsource.stream.replicas import ReplicaWait
 from eventsource.stream.sentinel import MasterWatch, SentinelTarget, parse_sentinels
 from handlers.app.server import Scheduler
+from handlers.nodes.usage import heartbeat_key_prefix
 from handlers.settings.config import ConfigError, Settings, load_settings
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import control_stub, make_settings, running_scheduler, serving_fleet
@@ -257,14 +258,25 @@ async def _changes_across_a_failover(
                 answered[str(i)] = time.time()
             assert promotion is not None
             new_master = await promotion
+            promoted_ms = time.time() * 1000
             failover_s = group.last_failover_s
             await asyncio.to_thread(recover, group, old_master)
             expected = [str(i) for i in range(CHANGES)]
             await wait_for(lambda: all(len(w.seen) >= CHANGES for w in watchers), timeout=90,
                            message="every watcher received every change")
-        # the promoted master's stream: every event once, in commit order, nothing lost
+        # the promoted master's stream: every event once, in commit order, nothing lost; and
+        # usage telemetry followed too: the node's heartbeat time is written to the new master
+        heartbeat_key = f"{heartbeat_key_prefix(key_root)}{node}"
         async with _master_log(group, stream_key) as log:
             entries = await _everything(log)
+            client = log._client
+
+            async def beat_after_failover() -> bool:
+                stored = await client.get(heartbeat_key)
+                return stored is not None and int(stored) > promoted_ms
+
+            await wait_for(beat_after_failover, timeout=20,
+                           message="heartbeat times written to the new master")
         labels = [e for e in entries if e.type == "NodeLabelSet" and e.details.get("key") == "seq"]
         values = [e.details["value"] for e in labels]
         assert values == expected, "lost, duplicated or reordered events in the stream"
