@@ -23,11 +23,15 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
+from eventsource.events import Event, entry_data
+from eventsource.stream.clients import writer_client
 from eventsource.stream.entries import ZERO_ID
 from eventsource.stream.errors import RedisUnavailable, ReplicasBehind
 from eventsource.stream.eventlog import RedisEventLog
 from eventsource.stream.replicas import ReplicaWait
 from eventsource.stream.sentinel import MasterWatch, SentinelTarget, parse_sentinels
+from eventsource.stream.tailer import StreamTailer
+from handlers.api.events import EventService
 from handlers.app.server import Scheduler
 from handlers.nodes.usage import heartbeat_key_prefix
 from handlers.settings.config import ConfigError, Settings, load_settings
@@ -157,15 +161,18 @@ class Watcher:
     seen: list[tuple[str, str, float]] = field(default_factory=list)
     gaps: list[pb.SchedulerEventView] = field(default_factory=list)
     reconnects: int = 0
+    #: the id of the last view received: a new ``run`` resumes after it
+    cursor: str = ""
+    _task: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
-        cursor = ""
         async with control_stub(self.address) as stub:
             while True:
-                call = stub.WatchEvents(pb.WatchEventsRequest(after_id=cursor, **self.filters))
+                call = stub.WatchEvents(pb.WatchEventsRequest(after_id=self.cursor,
+                                                              **self.filters))
                 try:
                     async for view in call:
-                        cursor = view.id
+                        self.cursor = view.id
                         if view.type == "EventsGap":
                             self.gaps.append(view)
                         elif view.type == "NodeLabelSet" and view.details.get("key") == "seq":
@@ -177,27 +184,37 @@ class Watcher:
                     # a client that resumes at once: the scheduler answers UNAVAILABLE quickly
                     # while Redis is away, and the next try carries the cursor
 
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name=f"watcher-{self.address}")
+
+    def failed(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    async def stop(self) -> None:
+        """Cancel the watch; a failure of it (other than the cancel) is raised here."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        if isinstance(outcome, BaseException) and not isinstance(outcome,
+                                                                  asyncio.CancelledError):
+            raise outcome
+
 
 @contextlib.asynccontextmanager
 async def _watching(watchers: list[Watcher], subscribed: Callable[[], bool]
                     ) -> AsyncIterator[None]:
     """The watchers running, once ``subscribed`` says the schedulers have them all."""
-    tasks = [asyncio.create_task(w.run(), name=f"watcher-{i}") for i, w in enumerate(watchers)]
+    for w in watchers:
+        w.start()
     try:
-        await wait_for(lambda: subscribed() or any(t.done() for t in tasks), timeout=20,
+        await wait_for(lambda: subscribed() or any(w.failed() for w in watchers), timeout=20,
                        message="watchers subscribed")
-        for task in tasks:
-            if task.done():
-                task.result()
         yield
     finally:
-        for task in tasks:
-            task.cancel()
-        outcome = await asyncio.gather(*tasks, return_exceptions=True)
-        for result in outcome:
-            if isinstance(result, BaseException) and not isinstance(result,
-                                                                     asyncio.CancelledError):
-                raise result
+        for w in watchers:
+            await w.stop()
 
 
 @dataclass
@@ -415,6 +432,8 @@ class LossWindow:
 
     entries: list[Any]
     watcher: Watcher
+    #: a watcher that was away during the failover and resumed by cursor after it
+    resumer: Watcher
     #: the values of the changes made while no replica received anything
     unreplicated: list[str]
     expected: list[str]
@@ -433,6 +452,8 @@ async def _master_dies_with_unreplicated_events(
     async with serving_fleet(settings, 1) as (sched, fleet, stub):
         node = fleet.nodes[0].node_id
         watcher = Watcher(f"127.0.0.1:{sched.grpc_port}", {"type": "NodeLabelSet"})
+        # gone during the failover, back with its cursor as soon as the replica is promoted
+        resumer = Watcher(f"127.0.0.1:{sched.grpc_port}", {"type": "NodeLabelSet"})
         tailer = sched.tailer
         assert tailer is not None
         values = [str(i) for i in range(before + window + after)]
@@ -442,7 +463,7 @@ async def _master_dies_with_unreplicated_events(
                 node_id=node, key="seq", value=value), timeout=10)
             assert resp.accepted, resp
 
-        async with _watching([watcher], lambda: tailer.subscriber_count >= 1):
+        async with _watching([watcher, resumer], lambda: tailer.subscriber_count >= 2):
             for value in values[:before]:
                 await change(value)
             await wait_for(lambda: len(watcher.seen) >= before, timeout=20,
@@ -453,7 +474,8 @@ async def _master_dies_with_unreplicated_events(
             for value in values[before:before + window]:
                 await change(value)
             # the master has them (its watchers were sent them), no replica does
-            await wait_for(lambda: len(watcher.seen) >= before + window, timeout=20,
+            await wait_for(lambda: len(watcher.seen) >= before + window
+                           and len(resumer.seen) >= before + window, timeout=20,
                            message="the window's changes delivered from the old master")
             if min_acks == 0:
                 # removed from the outbox on the master's word
@@ -464,16 +486,19 @@ async def _master_dies_with_unreplicated_events(
                                                {"result": "short"}) >= 1, timeout=20,
                                message="a wait for a replica came up short")
                 assert await _outbox_size(sched) == window
+            await resumer.stop()
             await asyncio.to_thread(old.kill)
             await asyncio.to_thread(group.wait_promoted, old.addr)
+            resumer.start()  # after the window's last id, which the new master lacks yet
             await asyncio.to_thread(old.restart)  # back as a replica of the new master
             for value in values[before + window:]:
                 await change(value)
-            await wait_for(lambda: watcher.seen and watcher.seen[-1][0] == values[-1],
+            await wait_for(lambda: all(w.seen and w.seen[-1][0] == values[-1]
+                                       for w in (watcher, resumer)),
                            timeout=60, message="the last change delivered")
         async with _master_log(group, stream_key) as log:
             entries = await _everything(log)
-        return LossWindow(entries=entries, watcher=watcher,
+        return LossWindow(entries=entries, watcher=watcher, resumer=resumer,
                           unreplicated=values[before:before + window], expected=values,
                           reappended=_sample(sched, "events_reappended_total"))
 
@@ -499,8 +524,9 @@ async def test_events_no_replica_held_are_appended_again_on_the_new_master(
     assert _label_values(seen.entries) == seen.expected
     assert [e for e in seen.entries if e.type == "EventsGap"] == []
     assert seen.reappended == len(seen.unreplicated)
-    assert [v for v, _, _ in seen.watcher.seen] == seen.expected
-    assert seen.watcher.gaps == []
+    for w in (seen.watcher, seen.resumer):
+        assert [v for v, _, _ in w.seen] == seen.expected
+        assert w.gaps == []
     print(f"\nmaster killed with {len(seen.unreplicated)} events on no replica: re-appended "
           f"{seen.reappended:.0f}, lost 0, duplicated 0")
 
@@ -526,8 +552,9 @@ async def test_events_lost_with_the_master_are_marked_by_a_gap(
     assert key(gap.details["from"]) <= key(lost_ids[0])
     assert key(gap.details["to"]) >= key(lost_ids[-1])
     # the live watcher had them from the old master, and is told of the loss too
-    assert [v for v, _, _ in seen.watcher.seen] == seen.expected
-    assert [g.id for g in seen.watcher.gaps] == [gap.stream_id]
+    for w in (seen.watcher, seen.resumer):
+        assert [v for v, _, _ in w.seen] == seen.expected
+        assert [g.id for g in w.gaps] == [gap.stream_id]
     assert seen.reappended == 0
 
 
@@ -570,3 +597,44 @@ async def test_sentinels_with_a_password(etcd_server, tmp_path, key_root, stream
 
 async def _listed_all(listed: Callable[[], Any], count: int) -> bool:
     return await listed() == [str(i) for i in range(count)]
+
+
+# -- a cursor a new master does not hold yet ----------------------------------------------------
+def _entry(revision: int, prev: str) -> tuple[str, str]:
+    event = Event(type="NodeLabelSet", node_id="n", details={"key": "seq",
+                                                             "value": str(revision)})
+    return f"{revision}-0", entry_data(event.outbox_record(seq=0), revision=revision, prev=prev)
+
+
+@pytest.mark.parametrize("catch_up_s", [0.0, 3.0])
+async def test_a_cursor_ahead_of_a_new_master_waits_for_the_relay(
+    redis_server, stream_key, catch_up_s
+):
+    """A client was sent 5-0..7-0 by the old master and resumes after 6-0; the new master
+    holds 5-0 until the relay appends 6-0 and 7-0 again. With ``catch_up_s`` (Sentinel) the
+    client gets 7-0 once; without (one Redis, where a cursor ahead means lost data) it is
+    told of a gap at once, as before."""
+    client = writer_client(redis_server.url)
+    tailer = StreamTailer.from_url(redis_server.url, stream_key)
+    log = RedisEventLog(client, stream_key)
+    try:
+        await log.append_batch([_entry(5, ZERO_ID)], maxlen=0)
+        await tailer.start()
+        service = EventService(log, tailer, catch_up_s=catch_up_s)
+        views = aiter(service.watch_events(pb.WatchEventsRequest(after_id="6-0"),
+                                           context=None))  # type: ignore[arg-type]
+        first = asyncio.ensure_future(anext(views))
+        done, _ = await asyncio.wait({first}, timeout=0.5)
+        if catch_up_s:
+            assert not done, "answered before the stream reached the cursor"
+        await log.append_batch([_entry(6, "5-0"), _entry(7, "6-0")], maxlen=0)
+        view = await asyncio.wait_for(first, 10)
+        if catch_up_s:
+            assert (view.type, view.id) == ("NodeLabelSet", "7-0")
+        else:
+            assert view.type == "EventsGap"
+            assert view.details["cause"] == "cursor-ahead"
+        await views.aclose()  # type: ignore[attr-defined]
+    finally:
+        await tailer.aclose()
+        await client.aclose()

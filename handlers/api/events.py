@@ -163,12 +163,19 @@ class EventService:
         """The stream's newest id; with ``catch_up_s``, once it reaches ``stream_id`` or the
         wait is over (see the module docstring)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._catch_up_s
+        started = loop.time()
+        waited = False
         while True:
             top = await self.log.top()
             top_id = top.stream_id if top is not None else ZERO_ID
-            if id_key(stream_id) <= id_key(top_id) or loop.time() >= deadline:
+            reached = id_key(stream_id) <= id_key(top_id)
+            if reached or loop.time() >= started + self._catch_up_s:
+                if waited:
+                    log.info("events: the stream %s %s after %.2fs (top %s)", "reached"
+                             if reached else "did not reach", stream_id,
+                             loop.time() - started, top_id)
                 return top_id
+            waited = True
             await asyncio.sleep(0.05)
 
     async def _newest_matching(self, flt: EventFilter, limit: int, *,
