@@ -183,6 +183,29 @@ class Metrics:
             "WatchEvents client's stream (live events, not the history a watcher replays)",
             namespace=ns, subsystem=sub, registry=r, buckets=EVENT_DELAY_BUCKETS,
         )
+        # Redis under Sentinel (eventsource/stream/sentinel.py, the relay's replica waits)
+        self.redis_master = Gauge(
+            "redis_master", "1 for the Redis master Sentinel names, as this replica last saw "
+            "it (labelled by host:port; absent without REDIS_SENTINELS)", ["address"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.redis_failovers = Counter(
+            "redis_failovers", "changes of the Redis master this replica saw (Sentinel "
+            "promoted a replica)", namespace=ns, subsystem=sub, registry=r,
+        )
+        self.events_reappended = Counter(
+            "events_reappended", "events the relay appended again because the stream "
+            "lacked them although an earlier attempt had sent them (lost with a Redis master "
+            "that had not passed them to a replica, or never received)",
+            namespace=ns, subsystem=sub, registry=r,
+        )
+        self.event_replica_waits = Counter(
+            "event_replica_waits", "appends the relay waited for replicas to hold (WAIT), by "
+            "result: confirmed, short (fewer replicas acknowledged in time: not removed from "
+            "the outbox, appended again), alone (no replica connected, REDIS_MIN_REPLICAS_ACK "
+            "unset: the master's word taken)", ["result"],
+            namespace=ns, subsystem=sub, registry=r,
+        )
         self.foreign_streams = Counter(
             "foreign_streams_moved", "foreign event streams renamed aside",
             namespace=ns, subsystem=sub, registry=r,

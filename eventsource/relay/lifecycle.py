@@ -4,6 +4,9 @@ Why apart: the lifecycle is the part a process owns (``run`` as a task, ``aclose
 ``status`` and ``term`` for /health). While leading, the pump relays and the retention task
 trims; both end, cancelled and awaited, as soon as the lease is lost. Store failures end a
 term, never the loop; a new term campaigns with a new lease.
+
+Under Sentinel the relay is given the pin of its log's client on the master (``master``) and
+the replicas an append waits for (``replicas``); the pump uses both (``eventsource.relay.pump``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from eventsource.relay.pump import AfterAppend, OutboxPump
 from eventsource.relay.retention import trim_by_age_forever
 from eventsource.relay.view import StreamView
 from eventsource.stream.eventlog import RedisEventLog
+from eventsource.stream.replicas import ReplicaWait
+from eventsource.stream.sentinel import MasterPin
 
 log = logging.getLogger("persys.relay")
 
@@ -52,6 +57,8 @@ class Relay:
         election_poll: float = 1.0,
         mark_interval: float = MARK_INTERVAL_S,
         after_append: AfterAppend | None = None,
+        master: MasterPin | None = None,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         if batch < 1 or outbox_max < 1:
             raise ValueError("batch and outbox_max must be positive")
@@ -85,6 +92,7 @@ class Relay:
             etcd, layout, log, metrics, clock, view, self._marker, pruner,
             batch=batch, max_entries=max_entries, renew_deadline=self._renew_deadline,
             retry_min=retry_min, retry_max=retry_max, after_append=after_append,
+            master=master, replicas=replicas,
         )  # fmt: skip
 
     @property

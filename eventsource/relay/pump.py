@@ -6,6 +6,14 @@ follows a NODELETE watch from R+1 (re-list after compaction, resume after a drop
 Each batch is planned (``plan``), checked against the renew deadline (etcd cannot fence an
 XADD), appended in one pipelined XADD with explicit ids, and its marks handed to the marker.
 Store failures start a new pass; Redis down leaves the outbox to the pruning's overflow check.
+
+Under Sentinel (``master``, ``eventsource.stream.sentinel``) each pass first pins the log's
+client to the master Sentinel names, so the take-over checks the stream it will append to; a
+failover seen while the pass runs (the watch names another master, a connection error, a
+READONLY reply) ends the pass, and the next one checks the new master's stream and appends
+again, in order, whatever it lacks (``events_reappended``): those records are still in the
+outbox, because an append counts as done, and its keys are deleted, only once ``replicas``
+(``WAIT``) confirmed enough replicas hold it. A back-off is cut short by a failover.
 """
 
 from __future__ import annotations
@@ -28,14 +36,23 @@ from eventsource.errors import (
 from eventsource.etcd import AsyncEtcd
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
+from eventsource.racing import race
 from eventsource.relay.marker import Marker
 from eventsource.relay.outbox import OutboxRecord, parse_all
 from eventsource.relay.plan import plan_append
 from eventsource.relay.pruning import OutboxPruner
 from eventsource.relay.takeover import take_over
 from eventsource.relay.view import StreamView
-from eventsource.stream.errors import RedisUnavailable, StreamIdConflict, StreamWrongType
+from eventsource.stream.errors import (
+    NothingSent,
+    RedisUnavailable,
+    ReplicasBehind,
+    StreamIdConflict,
+    StreamWrongType,
+)
 from eventsource.stream.eventlog import RedisEventLog
+from eventsource.stream.replicas import ReplicaWait
+from eventsource.stream.sentinel import MasterPin
 from eventsource.watch import WatchBatch, WatchStream
 
 log = logging.getLogger("persys.relay")
@@ -64,6 +81,8 @@ class OutboxPump:
         retry_min: float,
         retry_max: float,
         after_append: AfterAppend | None,
+        master: MasterPin | None = None,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self._etcd = etcd
         self._layout = layout
@@ -81,32 +100,43 @@ class OutboxPump:
         #: test hook: awaited after each XADD batch (the batches before it are marked by then),
         #: before the etcd txn that records it
         self._after_append = after_append
+        #: the Sentinel master this relay appends to (None: one Redis at one address)
+        self._master = master
+        #: the replicas an append waits for before it counts (None: the master's word)
+        self._replicas = replicas
+        #: the newest id this relay sent to Redis: a record at or below it that a later pass
+        #: finds missing and appends is sent again (``events_reappended``): lost with a
+        #: master that had not passed it to a replica, or never received
+        self._appended_high: tuple[int, int] = (0, 0)
+        #: the master address of the last pass (a change is logged)
+        self._master_address = ""
+        #: the back-off before the next pass (reset once a pass relayed the outbox listing)
+        self._delay = retry_min
 
     async def run(self, lead: Leadership) -> None:
         """Relay until cancelled or the leadership is lost (``LeaseLost``, ``NotLeader``)."""
-        delay = self._retry_min
+        self._delay = self._retry_min
         while True:
             try:
-                try:
-                    await take_over(self._view, stream=self._stream, etcd=self._etcd,
-                                    mark_key=self._layout.relay_mark, metrics=self._metrics,
-                                    batch=self._batch)
-                    while True:
-                        records, poison, revision = await self._list_outbox()
-                        await self._relay(lead, records, poison, caught_up=revision)
-                        delay = self._retry_min
-                        await self._follow(lead, revision)
-                except BaseException as exc:
-                    # whatever ended the loop, the mark in flight ends before it is read again
-                    await self._marker.end(lead, cancel=isinstance(exc, asyncio.CancelledError))
-                    raise
+                if self._master is None:
+                    await self._pass(lead)
+                else:
+                    await self._pin_master()
+                    moved = self._master.moved
+                    finished, _ = await race(self._pass(lead), moved)
+                    if not finished:
+                        raise RedisUnavailable(
+                            f"the Redis master moved from {self._master.address}")
+            except ReplicasBehind as exc:
+                log.warning("relay: %s", exc)
+                await self._pruner.check_overflow_safely(lead)
             except RedisUnavailable as exc:
                 log.warning("relay: Redis unavailable, outbox kept: %s", exc)
                 await self._pruner.check_overflow_safely(lead)
             except (StreamIdConflict, StreamWrongType) as exc:
                 log.warning("relay: stream %s cannot take our ids: %s", self._stream.key, exc)
                 self._view.force_aside = str(exc)
-                delay = self._retry_min
+                self._delay = self._retry_min
             except Conflict as exc:
                 log.info("relay: mark changed underneath, re-reading: %s", exc)
             except (Unavailable, Compacted, WatchCanceled) as exc:
@@ -115,8 +145,43 @@ class OutboxPump:
                 raise
             except StoreError:
                 log.exception("relay: unexpected store error, retrying")
+            await self._pause(self._delay)
+            self._delay = min(self._delay * 2, self._retry_max)
+
+    async def _pass(self, lead: Leadership) -> None:
+        """One pass: the take-over checks, then list and follow the outbox until a failure."""
+        try:
+            await take_over(self._view, stream=self._stream, etcd=self._etcd,
+                            mark_key=self._layout.relay_mark, metrics=self._metrics,
+                            batch=self._batch)
+            while True:
+                records, poison, revision = await self._list_outbox()
+                await self._relay(lead, records, poison, caught_up=revision)
+                self._delay = self._retry_min
+                await self._follow(lead, revision)
+        except BaseException as exc:
+            # whatever ended the loop, the mark in flight ends before it is read again
+            await self._marker.end(lead, cancel=isinstance(exc, asyncio.CancelledError))
+            raise
+
+    async def _pin_master(self) -> None:
+        """Pin the log's client to the master Sentinel names now (before the take-over)."""
+        assert self._master is not None
+        address = await self._master.pin()
+        if address != self._master_address:
+            if self._master_address:
+                log.warning("relay: Redis master is now %s (was %s): checking its stream "
+                            "against the outbox", address, self._master_address)
+            else:
+                log.info("relay: appending to Redis master %s", address)
+            self._master_address = address
+
+    async def _pause(self, delay: float) -> None:
+        """The back-off between passes; a failover cuts it short (a new master to try)."""
+        if self._master is None:
             await asyncio.sleep(delay)
-            delay = min(delay * 2, self._retry_max)
+        else:
+            await self._master.sleep(delay)
 
     async def _list_outbox(self) -> tuple[list[OutboxRecord], list[str], int]:
         kvs, revision = await self._etcd.list_prefix(self._layout.outbox_prefix)
@@ -213,7 +278,21 @@ class OutboxPump:
             return
         if not lead.held(self._renew_deadline):
             raise NotLeader("relay lease renewal overdue: not appending")
-        await self._stream.append_batch(plan.entries, maxlen=self._max_entries)
+        if self._master is not None:
+            self._master.check()
+        # sent from here on: a later pass that finds them missing sends them again
+        high, self._appended_high = self._appended_high, max(self._appended_high, plan.top)
+        try:
+            result = await self._stream.append_batch(plan.entries, maxlen=self._max_entries,
+                                                     wait=self._replicas)
+        except NothingSent:
+            self._appended_high = high  # never reached Redis: the next attempt is the first
+            raise
+        again = sum(1 for r in chunk if r.order <= high and r.stream_id not in result.present)
+        if again:
+            self._metrics.events_reappended.inc(again)
+            log.warning("relay: appended %d events again that the stream had lost (%s ..)",
+                        again, chunk[0].stream_id)
         view.top = max(view.top, plan.top)
         view.gaps = plan.gaps_left
         if chunk:

@@ -27,5 +27,7 @@ Invariants:
 
 Modules: ``entries`` (stream ids and raw entries, pure), ``errors`` (the stream's failures),
 ``clients`` (how the Redis clients are configured), ``eventlog`` (``RedisEventLog``: append, read,
-trim, move aside), ``tailer`` (``StreamTailer`` and its subscriptions).
+trim, move aside), ``tailer`` (``StreamTailer`` and its subscriptions), ``sentinel`` (following
+the master Sentinel names: the watch, the pools, the relay's pin), ``replicas`` (how many
+replicas an append waits for: ``WAIT``).
 """

@@ -36,3 +36,13 @@ class SubscriptionClosed(StoreError):
 
 class SubscriptionOverflow(StoreError):
     """The subscriber fell too far behind and was dropped (answer RESOURCE_EXHAUSTED)."""
+
+
+class ReplicasBehind(RedisUnavailable):
+    """Fewer replicas than required acknowledged an append in time (``WAIT``): the entries are
+    on the master but may not survive its failover, so the relay keeps them in the outbox."""
+
+
+class NothingSent(RedisUnavailable):
+    """An append failed before any of it reached Redis (no connection could be made, or a
+    pinned client refused a new master): a later attempt is the first, not a repeat."""

@@ -12,23 +12,48 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from eventsource.events import StreamEntry
 from eventsource.stream.clients import reraise_swallowed_cancel
 from eventsource.stream.entries import RawEntry, id_key, next_id, raw_entries
 from eventsource.stream.errors import (
+    NothingSent,
     RedisUnavailable,
     StreamError,
     StreamIdConflict,
     StreamWrongType,
 )
+from eventsource.stream.replicas import ReplicaWait
+from eventsource.stream.sentinel import MasterMoved
 
 log = logging.getLogger("persys.stream")
+
+
+def _never_connected(exc: BaseException) -> bool:
+    """Whether a failed round trip never had a connection: nothing of it reached Redis."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, MasterNotFoundError | MasterMoved | ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """What one ``append_batch`` did: entries Redis took now, and ids it already held."""
+
+    added: int
+    present: frozenset[str]
 
 
 class RedisEventLog:
@@ -46,6 +71,9 @@ class RedisEventLog:
             async with asyncio.timeout(self.op_timeout):
                 yield
                 reraise_swallowed_cancel()
+        except ReadOnlyError as exc:
+            # a master demoted to a replica under us (a failover): Redis is unavailable here
+            raise RedisUnavailable(f"redis {what} on {self.key}: {exc!r}") from exc
         except ResponseError as exc:
             if "WRONGTYPE" in str(exc):
                 raise StreamWrongType(f"{self.key} is not a stream: {exc}") from exc
@@ -56,32 +84,50 @@ class RedisEventLog:
             raise RedisUnavailable(f"redis {what} on {self.key}: {exc!r}") from exc
 
     # -- appending ----------------------------------------------------------------------------
-    async def append_batch(self, entries: Sequence[tuple[str, str]], *, maxlen: int) -> None:
+    async def append_batch(self, entries: Sequence[tuple[str, str]], *, maxlen: int,
+                           wait: ReplicaWait | None = None) -> AppendResult:
         """XADD ``(id, data)`` pairs in one pipeline, in order, with ``MAXLEN ~ maxlen``.
 
         Idempotent: an id that Redis rejects as "equal or smaller" is accepted only when
         ``XRANGE id id`` holds the same ``eventId`` (a previous attempt already appended it),
         or when it lies below the oldest entry (appended, then trimmed by retention).
 
+        With ``wait``, the pipeline ends with ``WAIT`` for the replicas it asks for
+        (``eventsource.stream.replicas``): the append is done only once they hold it.
+
         Raises:
             StreamIdConflict: an id is taken by another event, or lies between the oldest
                 entry and the top but is absent (a stream not written from our outbox).
+            ReplicasBehind: appended, but fewer replicas than required hold it yet.
+            NothingSent: Redis could not be reached at all; nothing was appended.
             RedisUnavailable: Redis failed; some entries may have been appended, which a retry
                 of the same batch recognises.
         """
         if not entries:
-            return
-        async with self._call("XADD"):
-            pipe = self._client.pipeline(transaction=False)
-            for stream_id, data in entries:
-                pipe.xadd(
-                    self.key,
-                    {"data": data},
-                    id=stream_id,
-                    maxlen=maxlen if maxlen > 0 else None,
-                    approximate=True,
-                )
-            results = await pipe.execute(raise_on_error=False)
+            return AppendResult(added=0, present=frozenset())
+        needed = 0
+        try:
+            if wait is not None:
+                async with self._call("INFO"):
+                    needed = await wait.needed(self._client)
+            async with self._call("XADD"):
+                pipe = self._client.pipeline(transaction=False)
+                for stream_id, data in entries:
+                    pipe.xadd(
+                        self.key,
+                        {"data": data},
+                        id=stream_id,
+                        maxlen=maxlen if maxlen > 0 else None,
+                        approximate=True,
+                    )
+                if needed:
+                    pipe.execute_command("WAIT", needed, wait.timeout_ms if wait else 0)
+                results = await pipe.execute(raise_on_error=False)
+        except RedisUnavailable as exc:
+            if _never_connected(exc):
+                raise NothingSent(str(exc)) from exc
+            raise
+        acked = results.pop() if needed else None
         rejected: list[tuple[str, str]] = []
         for (stream_id, data), result in zip(entries, results, strict=True):
             if isinstance(result, ResponseError) and "equal or smaller" in str(result):
@@ -92,6 +138,26 @@ class RedisEventLog:
                 raise RedisUnavailable(f"redis XADD {stream_id} on {self.key}: {result!r}")
         if rejected:
             await self._confirm_present(rejected)
+        if wait is not None and needed:
+            if len(rejected) == len(entries):
+                # nothing written on this connection: WAIT would count an older offset
+                acked = await self._sync_replicas(needed, wait.timeout_ms)
+            if not isinstance(acked, int):
+                raise RedisUnavailable(f"redis WAIT on {self.key}: {acked!r}")
+            async with self._call("INFO"):
+                await wait.judge(self._client, acked, needed)
+        return AppendResult(added=len(entries) - len(rejected),
+                            present=frozenset(stream_id for stream_id, _ in rejected))
+
+    async def _sync_replicas(self, needed: int, timeout_ms: int) -> object:
+        """WAIT after a write that covers everything before it (a PUBLISH, propagated to the
+        replicas like a write): the answer for entries another connection appended."""
+        async with self._call("WAIT"):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.publish(f"{self.key}:relay-sync", "1")
+            pipe.execute_command("WAIT", needed, timeout_ms)
+            results = await pipe.execute(raise_on_error=False)
+        return results[-1]
 
     async def _confirm_present(self, rejected: list[tuple[str, str]]) -> None:
         """Each rejected id holds our event, or lies below the oldest entry: retention

@@ -5,6 +5,15 @@ process fans entries out to bounded queues (:class:`Subscription`). It owns its 
 client's blocking connection; a subscription receives exactly the entries with ids strictly
 greater than its ``start_id`` (and its ``after_id``), in stream order, or an error that ends it.
 A subscriber that falls ``queue_max`` entries behind is closed with ``overflowed``.
+
+Under Sentinel (``master``, with ``hold_s``), a Redis failure does not end the subscriptions at
+once: a failover takes seconds, and ending every WatchEvents stream would send every client
+back through a reconnection for nothing. The tailer holds them for up to ``hold_s`` while it
+retries from its cursor (at once when the watch names a new master), and only then ends them
+as before. A new master's stream may end below the cursor for a moment (entries the old one
+had not yet passed to a replica, which the relay appends again with the same ids): within the
+hold that is not taken for a replaced stream, and the tailer waits at its cursor, so nothing
+it delivered is delivered twice and nothing after it is skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from types import TracebackType
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 
 from eventsource.errors import Unavailable
 from eventsource.events import GAP_TYPE, StreamEntry, rfc3339
@@ -32,6 +41,7 @@ from eventsource.stream.errors import (
     SubscriptionOverflow,
 )
 from eventsource.stream.eventlog import RedisEventLog
+from eventsource.stream.sentinel import MasterWatch
 
 log = logging.getLogger("persys.stream")
 
@@ -195,6 +205,8 @@ class StreamTailer:
         queue_max: int = 10_000,
         retry_delay: float = 1.0,
         owns_client: bool = False,
+        hold_s: float = 0.0,
+        master: MasterWatch | None = None,
     ) -> None:
         if not 0 < block_s <= MAX_BLOCK_S:
             raise ValueError(f"block_s must be in (0, {MAX_BLOCK_S}]")
@@ -223,6 +235,15 @@ class StreamTailer:
         self._closed = False
         #: how many times a Redis error ended the subscribers (for tests and /health)
         self.disconnects = 0
+        #: how long subscribers are kept across Redis errors (0: ended at the first)
+        self.hold_s = hold_s
+        self._master = master
+        #: loop time of the first error of the current outage (None: reading)
+        self._down_since: float | None = None
+        #: until when a stream top below the cursor is a failover's tail, not a replacement
+        self._behind_until = 0.0
+        #: the watch's generation the last retry was made for
+        self._seen_generation = master.generation if master is not None else 0
 
     @classmethod
     def from_url(
@@ -231,6 +252,16 @@ class StreamTailer:
         """A tailer with its own correctly configured client, closed by ``aclose()``."""
         client = tailer_client(url, block_s=block_s)
         return cls(client, stream_key, block_s=block_s, owns_client=True, **kwargs)
+
+    @classmethod
+    def following(cls, master: MasterWatch, stream_key: str, *, block_s: float = MAX_BLOCK_S,
+                  hold_s: float = 60.0, **kwargs: Any) -> StreamTailer:
+        """A tailer of the master ``master`` follows, with its own client (closed by
+        ``aclose()``), holding its subscribers across a failover of up to ``hold_s``."""
+        client = master.client(socket_timeout=block_s + 5.0, connect_timeout=5.0,
+                               max_connections=4)
+        return cls(client, stream_key, block_s=block_s, owns_client=True, hold_s=hold_s,
+                   master=master, **kwargs)
 
     @property
     def cursor(self) -> str | None:
@@ -351,15 +382,20 @@ class StreamTailer:
                     reraise_swallowed_cancel()
                 if self._closed:
                     return
+                if self._down_since is not None:
+                    log.info("stream tailer %s reads again from %s", self.stream_key, cursor)
+                    self._down_since = None
                 entries = self._parse(raw)
                 if not entries:
                     await self._check_reset(cursor)
                     continue
             except (RedisError, OSError, TimeoutError, StreamError, Unavailable) as exc:
                 self.disconnects += 1
-                log.warning("stream tailer %s: %r; retrying from %s", self.stream_key, exc, cursor)
-                self._end_all(RedisUnavailable(f"event stream unavailable: {exc!r}"))
-                await asyncio.sleep(self.retry_delay)
+                if not self._hold(exc, cursor):
+                    log.warning("stream tailer %s: %r; retrying from %s", self.stream_key, exc,
+                                cursor)
+                    self._end_all(RedisUnavailable(f"event stream unavailable: {exc!r}"))
+                await self._pause()
                 continue
             # fan out without awaiting, so a subscribe() sees either none or all of this read;
             # iterate over copies, since an offer that overflows a subscription forgets it
@@ -399,10 +435,49 @@ class StreamTailer:
             batches = [item[1] for item in raw]
         return [entry.decode() for batch in batches for entry in raw_entries(batch)]
 
+    def _hold(self, exc: BaseException, cursor: str) -> bool:
+        """Whether the subscribers are kept across this error (within ``hold_s`` of the
+        outage's first error); a top below the cursor is expected for as long."""
+        if self.hold_s <= 0 or isinstance(exc, StreamError) or (
+                isinstance(exc, ResponseError) and not isinstance(exc, ReadOnlyError)):
+            return False  # not Redis away: the stream itself is wrong, as without the hold
+        now = asyncio.get_running_loop().time()
+        self._behind_until = now + self.hold_s
+        if self._down_since is None:
+            self._down_since = now
+            log.warning("stream tailer %s: %r; holding %d subscribers up to %.0fs while "
+                        "retrying from %s", self.stream_key, exc, len(self._subs), self.hold_s,
+                        cursor)
+            return True
+        if now - self._down_since < self.hold_s:
+            log.debug("stream tailer %s: still failing: %r", self.stream_key, exc)
+            return True
+        return False
+
+    async def _pause(self) -> None:
+        """The retry delay; none, once, when the watch names a master not yet tried, and cut
+        short by a failover."""
+        master = self._master
+        if master is None:
+            await asyncio.sleep(self.retry_delay)
+            return
+        if master.generation != self._seen_generation:
+            self._seen_generation = master.generation
+            return
+        await master.wait_change(self._seen_generation, self.retry_delay)
+
     async def _check_reset(self, cursor: str) -> None:
-        """After an idle block: a top below the cursor means the stream was replaced."""
+        """After an idle block: a top below the cursor means the stream was replaced (except
+        just after a failover held, where it is the tail the relay is appending again)."""
         top = await self._log.top()
         top_id = top.stream_id if top is not None else ZERO_ID
+        if id_key(top_id) >= id_key(cursor):
+            self._behind_until = 0.0
+            return
+        if asyncio.get_running_loop().time() < self._behind_until:
+            log.info("stream %s: the new master's top %s is below the cursor %s: waiting "
+                     "for the relay to append the rest again", self.stream_key, top_id, cursor)
+            return
         if id_key(top_id) < id_key(cursor):
             log.warning(
                 "stream %s was replaced (top %s < cursor %s); subscribers restart",

@@ -16,10 +16,17 @@
   means "nothing more". Watch history is sent page by page.
 * A watch that ends because Redis went away or the client fell behind gets UNAVAILABLE or
   RESOURCE_EXHAUSTED naming the last id it was sent, to resume from.
+* Under Sentinel (``catch_up_s`` > 0), just after a failover the new master's stream may end
+  below an id a client was already sent (the relay is appending again what the old master had
+  not passed to a replica, with the same ids). A cursor above the top, or a subscription that
+  starts above it, first waits up to ``catch_up_s`` for the stream to reach it: answered at
+  once, the client would get a false ``cursor-ahead`` gap and those events twice, or a history
+  that misses them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -108,9 +115,12 @@ class EventService:
 
     def __init__(self, log_: RedisEventLog, tailer: StreamTailer, *,
                  observe_delay: Callable[[float], None] | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 catch_up_s: float = 0.0) -> None:
         self.log = log_
         self.tailer = tailer
+        #: how long a read waits for the stream to reach an id after a failover (0: never)
+        self._catch_up_s = catch_up_s
         #: takes each live event's timestamp-to-hand-over time in seconds (the metric
         #: event_delivery_delay_seconds); the history a watcher replays is not delivery delay
         self._observe_delay = observe_delay
@@ -139,8 +149,7 @@ class EventService:
         starting over). Taken as is, the cursor would hide every new event up to it without
         a word; the reader is told, and continues from the newest entry instead.
         """
-        top = await self.log.top()
-        top_id = top.stream_id if top is not None else ZERO_ID
+        top_id = await self._top_reaching(cursor)
         if id_key(cursor) <= id_key(top_id):
             return None, cursor
         view = control_pb2.SchedulerEventView(
@@ -149,6 +158,25 @@ class EventService:
             details={"from": cursor, "to": top_id, "cause": "cursor-ahead"},
         )
         return view, top_id
+
+    async def _top_reaching(self, stream_id: str) -> str:
+        """The stream's newest id; with ``catch_up_s``, once it reaches ``stream_id`` or the
+        wait is over (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        waited = False
+        while True:
+            top = await self.log.top()
+            top_id = top.stream_id if top is not None else ZERO_ID
+            reached = id_key(stream_id) <= id_key(top_id)
+            if reached or loop.time() >= started + self._catch_up_s:
+                if waited:
+                    log.info("events: the stream %s %s after %.2fs (top %s)", "reached"
+                             if reached else "did not reach", stream_id,
+                             loop.time() - started, top_id)
+                return top_id
+            waited = True
+            await asyncio.sleep(0.05)
 
     async def _newest_matching(self, flt: EventFilter, limit: int, *,
                                upto: str | None = None) -> list[StreamEntry]:
@@ -245,6 +273,8 @@ class EventService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"event stream unavailable: {exc}")
             return
         try:
+            if self._catch_up_s > 0:
+                await self._top_reaching(sub.start_id)  # the history must reach the start
             if ahead is not None:
                 last_sent = ahead.id
                 yield ahead

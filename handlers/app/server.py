@@ -26,7 +26,6 @@ from eventsource.keepalives import KeepaliveBatcher
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.racing import race
-from eventsource.stream.clients import redis_url, writer_client
 from eventsource.stream.eventlog import RedisEventLog
 from eventsource.stream.tailer import StreamTailer
 from handlers.agents.pool import AgentPool, TlsFiles
@@ -36,6 +35,7 @@ from handlers.api.http import HttpEndpoint
 from handlers.api.servicer import ControlServicer
 from handlers.app.grpc_endpoint import GrpcEndpoint
 from handlers.app.looplag import GcPauses, probe_loop_lag
+from handlers.app.redis_clients import RedisClients
 from handlers.app.start_errors import StartError, listen_error
 from handlers.app.tasks import TaskOwner
 from handlers.cluster.certificates import build_cert_manager
@@ -126,10 +126,12 @@ class Scheduler:
                                               store=settings.unplaceable == "pending",
                                               max_pending=settings.pending_max))
         self.relocator = self.workloads.relocator
-        self.redis = writer_client(self._redis_url()) if settings.redis_addr else None
-        # telemetry gets its own connections: it must never take the ones events need
-        self.usage_redis = (writer_client(self._redis_url(), max_connections=4)
-                            if settings.redis_addr else None)
+        # REDIS_ADDR or the master Sentinel names; telemetry gets its own connections: it
+        # must never take the ones events need
+        self.redis_clients = (RedisClients(settings, self.metrics) if settings.events_enabled
+                              else None)
+        self.redis = self.redis_clients.events if self.redis_clients else None
+        self.usage_redis = self.redis_clients.usage if self.redis_clients else None
         self.usage = UsageSink(self.usage_redis, meter_stream=settings.meter_stream,
                                meter_maxlen=settings.meter_stream_maxlen,
                                meter_enabled=settings.meter_stream_enabled,
@@ -143,13 +145,14 @@ class Scheduler:
         self.event_log: RedisEventLog | None = None
         self.tailer: StreamTailer | None = None
         self.events: EventService | None = None
-        if self.redis is not None:
+        if self.redis is not None and self.redis_clients is not None:
             self.event_log = RedisEventLog(self.redis, settings.event_stream)
-            self.tailer = StreamTailer.from_url(self._redis_url(), settings.event_stream)
+            self.tailer = self.redis_clients.tailer(settings.event_stream)
             self.events = EventService(
                 self.event_log, self.tailer,
                 observe_delay=self.metrics.event_delivery_delay.observe,
-                wall_clock=lambda: self.clock.now().timestamp())
+                wall_clock=lambda: self.clock.now().timestamp(),
+                catch_up_s=self.redis_clients.catch_up_s)
         self.relay: Any = None
         self.supervisor = ModeSupervisor(self.etcd, self.layout, self.committer, self.mode,
                                          self.clock, allow_empty_state=settings.allow_empty_state,
@@ -184,10 +187,6 @@ class Scheduler:
                 if any(isinstance(v, dict) and v.get("name") == name
                        and (v.get("driver") or "local") == driver
                        for v in managed_volumes_of(item.value))]
-
-    def _redis_url(self) -> str:
-        s = self.settings
-        return redis_url(s.redis_addr, s.redis_password, s.redis_db)
 
     def health(self) -> dict[str, str]:
         s = self.settings
@@ -240,6 +239,8 @@ class Scheduler:
         if not await _unless_stopped(stop, self._first_mode_probe()):
             return False
         self.tasks.start("mode-supervisor", self.supervisor.run)
+        if self.redis_clients is not None and self.redis_clients.master is not None:
+            self.tasks.start("redis-master", self.redis_clients.run)
         if self.tailer is not None:
             await self.tailer.start()
         if self.event_log is not None and self.settings.relay_enabled:
@@ -329,13 +330,16 @@ class Scheduler:
             log.warning("event relay not available: events stay in the etcd outbox")
             return None
         assert self.event_log is not None
+        assert self.redis_clients is not None
+        relay_log, master = self.redis_clients.relay_log(self.event_log)
         return Relay(
-            etcd=self.etcd, layout=self.layout, log=self.event_log, metrics=self.metrics,
+            etcd=self.etcd, layout=self.layout, log=relay_log, metrics=self.metrics,
             clock=self.clock, max_entries=self.settings.redis_event_max_entries,
             ttl_ms=int(self.settings.redis_event_ttl_s * 1000),
             outbox_max=self.settings.event_outbox_max, instance_id=self.settings.instance_id,
             lease_ttl=self.settings.leader_lease_ttl_s,
             renew_deadline=self.settings.leader_renew_deadline_s,
+            master=master, replicas=self.redis_clients.replica_wait(),
         )
 
     async def stop(self) -> None:
@@ -366,10 +370,8 @@ class Scheduler:
         await step("agents", self.agents.close())
         if self.certs is not None:
             await step("certs", self.certs.aclose())
-        if self.redis is not None:
-            await step("redis", self.redis.aclose())
-        if self.usage_redis is not None:
-            await step("usage-redis", self.usage_redis.aclose())
+        if self.redis_clients is not None:
+            await step("redis", self.redis_clients.aclose())
         if self.servicer.buckets is not None:
             await step("buckets", self.servicer.buckets.aclose())
         await step("http", self.http.stop())

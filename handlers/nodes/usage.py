@@ -22,6 +22,11 @@ its own connection, so telemetry can never take the connections the event relay 
 nodes x 20 workloads every 10 s is 10,000 snapshots/s: as single commands that was most of a
 scheduler's event loop. A read waits at most ``read_timeout``; after a failed one, reads leave
 Redis alone for ``read_backoff_s`` (a listing must not wait on a dead Redis every time).
+
+Under Sentinel (``REDIS_SENTINELS``) the client follows the master Sentinel names, so nothing
+here changes: a batch sent while the master fails over is dropped and counted like any other a
+dead Redis refused, later batches go to the new master, and the script is loaded there again
+on first use (redis-py retries EVALSHA as EVAL).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from eventsource.etcdtls import EtcdTls
+from eventsource.stream.sentinel import Address, SentinelTarget, parse_sentinels
 from handlers.identity.authz import DEFAULT_AGENT_CERT_NAMES, NodeBinding
 
 
@@ -97,6 +98,14 @@ class Settings:
     redis_addr: str = ""
     redis_password: str = field(default="", repr=False)  # never in a logged repr
     redis_db: int = 0
+    #: Sentinels to ask for the master (REDIS_SENTINELS; instead of REDIS_ADDR), the name they
+    #: monitor it by, and their own password
+    redis_sentinels: tuple[Address, ...] = ()
+    redis_sentinel_master: str = ""
+    redis_sentinel_password: str = field(default="", repr=False)
+    #: replicas that must hold an event before the relay removes it from the outbox
+    #: (REDIS_MIN_REPLICAS_ACK); None: 1 while a Sentinel master has a replica, else none
+    redis_min_replicas_ack: int | None = None
     redis_event_ttl_s: float = 24 * 3600.0
     redis_event_max_entries: int = 1000
     event_stream: str = "scheduler:events"
@@ -170,7 +179,25 @@ class Settings:
 
     @property
     def events_enabled(self) -> bool:
-        return bool(self.redis_addr)
+        return bool(self.redis_addr or self.redis_sentinels)
+
+    @property
+    def sentinel_target(self) -> SentinelTarget | None:
+        """Where the Redis master is asked for, with ``REDIS_SENTINELS``; else None."""
+        if not self.redis_sentinels:
+            return None
+        return SentinelTarget(self.redis_sentinels, self.redis_sentinel_master,
+                              password=self.redis_password, db=self.redis_db,
+                              sentinel_password=self.redis_sentinel_password)
+
+    @property
+    def replica_acks(self) -> tuple[bool, int | None]:
+        """Whether the relay waits for replicas, and for how many (None: 1 while the master
+        has one). Without Sentinel only an explicit ``REDIS_MIN_REPLICAS_ACK`` waits."""
+        required = self.redis_min_replicas_ack
+        if required is None:
+            return bool(self.redis_sentinels), None
+        return required > 0, required
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)
@@ -277,6 +304,32 @@ def require_tls_files(settings: Settings) -> None:
                               "issue it)")
 
 
+def _sentinels(r: _Reader) -> tuple[tuple[Address, ...], str, str]:
+    """``REDIS_SENTINELS``, ``REDIS_SENTINEL_MASTER``, ``REDIS_SENTINEL_PASSWORD``, checked
+    together (one without the others is a mistake, not a default)."""
+    text = r.raw("REDIS_SENTINELS")
+    master = r.text("REDIS_SENTINEL_MASTER", "")
+    password = r.text("REDIS_SENTINEL_PASSWORD", "")
+    if text is None:
+        for name, value in (("REDIS_SENTINEL_MASTER", master),
+                            ("REDIS_SENTINEL_PASSWORD", password)):
+            if value:
+                raise ConfigError(f"{name}: set without REDIS_SENTINELS (the Sentinels to "
+                                  "ask for the master, host:port,...)")
+        return (), "", ""
+    try:
+        sentinels = parse_sentinels(text)
+    except ValueError as exc:
+        raise ConfigError(f"REDIS_SENTINELS: {exc} (expected host:port,host:port,...)") from exc
+    if not master:
+        raise ConfigError("REDIS_SENTINEL_MASTER: required with REDIS_SENTINELS (the name "
+                          "the Sentinels monitor the master by)")
+    if r.raw("REDIS_ADDR") is not None:
+        raise ConfigError("REDIS_ADDR/REDIS_SENTINELS: set one of them (with REDIS_SENTINELS "
+                          "the master's address comes from the Sentinels)")
+    return sentinels, master, password
+
+
 def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings:
     """Read and validate every setting; raises ``ConfigError`` naming the variable."""
     r = _Reader(env)
@@ -323,6 +376,10 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
     if binding_text not in {b.value for b in NodeBinding}:
         raise ConfigError(f"SCHEDULER_NODE_BINDING: {binding_text!r} is not one of "
                           f"{', '.join(b.value for b in NodeBinding)}")
+    sentinels, sentinel_master, sentinel_password = _sentinels(r)
+    min_acks_text = r.raw("REDIS_MIN_REPLICAS_ACK")
+    min_acks = None if min_acks_text is None else r.integer(
+        "REDIS_MIN_REPLICAS_ACK", 0, minimum=0, maximum=64)
     lease_ttl = r.integer("SCHEDULER_LEADER_LEASE_TTL", 15, minimum=2, maximum=3600)
     renew = r.duration("SCHEDULER_LEADER_RENEW_DEADLINE", lease_ttl * 2 / 3, allow_zero=False)
     if renew >= lease_ttl:
@@ -350,6 +407,10 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         redis_addr=r.text("REDIS_ADDR", ""),
         redis_password=r.text("REDIS_PASSWORD", ""),
         redis_db=r.integer("REDIS_DB", 0, minimum=0),
+        redis_sentinels=sentinels,
+        redis_sentinel_master=sentinel_master,
+        redis_sentinel_password=sentinel_password,
+        redis_min_replicas_ack=min_acks,
         redis_event_ttl_s=r.duration("REDIS_EVENT_TTL", 24 * 3600.0, allow_zero=False),
         redis_event_max_entries=r.integer("REDIS_EVENT_MAX_ENTRIES", 1000, minimum=1),
         event_stream=r.text("SCHEDULER_EVENT_STREAM", "scheduler:events"),
