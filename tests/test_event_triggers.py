@@ -62,6 +62,7 @@ COVERAGE: dict[str, str] = {
     "WorkloadDeleted": "test_workload_lifecycle_drift_and_retry_budget",
     "RetryTriggered": "test_workload_lifecycle_drift_and_retry_budget",
     "WorkloadFailed": "test_workload_lifecycle_drift_and_retry_budget",
+    "WorkloadPending": "test_an_unplaceable_apply_is_pending_with_its_refusals",
     "LeaderElected": "test_leadership_mode_changes_and_lost_stream_entries",
     "LeaderLost": "test_leadership_mode_changes_and_lost_stream_entries",
     "SchedulerModeChanged": "test_leadership_mode_changes_and_lost_stream_entries",
@@ -503,6 +504,22 @@ async def test_workload_lifecycle_drift_and_retry_budget(
         assert retried.details["attempts"] == "0"
         assert retried.details.get("event_id")
         assert set(retried.details) - {"event_id"} <= DOC["RetryTriggered"].allowed
+
+
+async def test_an_unplaceable_apply_is_pending_with_its_refusals(
+        etcd_server: EtcdProcess, redis_server: RedisProcess, key_root: str,
+        stream_key: str) -> None:
+    """WorkloadPending: an ApplyWorkload that fits no node is stored Pending, once."""
+    settings = make_settings(etcd_server, redis_server, key_root, stream_key, **QUIET)
+    async with stack(settings, 1) as s:
+        resp = await s.stub.ApplyWorkload(pb.ApplyWorkloadRequest(
+            workload_id="huge", spec=container_spec(cpu_m=10_000_000)))
+        assert not resp.success
+        assert resp.error_message.startswith("stored as Pending")
+        [pending] = await await_events(s.stub, "WorkloadPending", workload_id="huge")
+        assert_documented(pending)
+        assert pending.reason.startswith("no suitable node: 0/1 nodes fit: 1 insufficient cpu")
+        assert pending.details["refusals"] == "insufficient cpu"
 
 
 async def test_retry_triggered_carries_the_documented_keys_for_every_trigger(
