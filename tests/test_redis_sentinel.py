@@ -289,8 +289,8 @@ async def _changes_across_a_failover(
             client = log._client
 
             async def beat_after_failover() -> bool:
-                stored = await client.get(heartbeat_key)
-                return stored is not None and int(stored) > promoted_ms
+                stored = await client.get(heartbeat_key)  # "<ms>" or "<ms> <cpu> <mem>"
+                return stored is not None and int(stored.split()[0]) > promoted_ms
 
             await wait_for(beat_after_failover, timeout=20,
                            message="heartbeat times written to the new master")
