@@ -32,14 +32,18 @@ from handlers.nodes.statuses import NOT_READY, READY, STICKY_STATUSES
 from handlers.nodes.usage import UsageSink
 from handlers.placement.decision import canonical_driver, canonical_type
 from handlers.settings.config import Settings
-from handlers.specs.fields import LABELS_MAX, InvalidSpec, check_labels, validate_id
+from handlers.specs.fields import (
+    LABELS_MAX,
+    InvalidSpec,
+    check_labels,
+    validate_host,
+    validate_id,
+)
 from projections.cluster import ClusterProjection
 from proto.persys.control.v1 import control_pb2
 
 log = logging.getLogger("persys.nodes")
 
-#: the host of a node's grpc_endpoint (a DNS name is at most 253)
-HOST_MAX_CHARS = 253
 #: storage drivers a node may declare, and the length of one name
 DRIVERS_MAX, DRIVER_MAX_CHARS = 32, 64
 
@@ -115,9 +119,10 @@ class Registration:
             node_id = validate_id("node_id", req.node_id)
             endpoint = req.grpc_endpoint.strip()
             host, sep, port_text = endpoint.rpartition(":")
-            if not sep or not host or len(host) > HOST_MAX_CHARS or not port_text.isascii() \
+            if not sep or not host or not port_text.isascii() \
                     or not port_text.isdigit() or not 0 < int(port_text) < 65536:
                 raise InvalidSpec("grpc_endpoint", "required as host:port")
+            validate_host("grpc_endpoint", host)
             caps = req.capabilities
             if caps.cpu_total_millicores < 0:
                 raise InvalidSpec("capabilities.cpu_total_millicores", "must not be negative")
