@@ -203,6 +203,26 @@ def refuse_registration(
             f"host may register it only once it is lost (NotReady, or its lease expired)")
 
 
+def refuse_crowded_host(binding: NodeBinding, *, node_id: str, host: str,
+                        live_at_host: Iterable[str], limit: int) -> str | None:
+    """Why ``node_id`` may not join the ``live_at_host`` nodes (the other live nodes whose
+    agent endpoint is at ``host``), or None if it may.
+
+    In ``endpoint`` binding a certificate speaks for the nodes at the hosts it names, so one
+    agent certificate could register any number of node ids at its own host and take every
+    placement; a host holds at most ``limit`` live nodes (``SCHEDULER_NODES_PER_HOST``). A
+    node already counted there re-registers freely, and a lost node does not count.
+    """
+    if binding is not NodeBinding.ENDPOINT:
+        return None
+    others = sorted(n for n in live_at_host if n != node_id)
+    if len(others) < limit:
+        return None
+    shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
+    return (f"grpc_endpoint: host {host!r} already holds {len(others)} live node(s) ({shown}); "
+            f"at most {limit} per agent endpoint host (SCHEDULER_NODES_PER_HOST)")
+
+
 def refuse_heartbeat(caller: Caller, binding: NodeBinding, *, node_id: str,
                      registered_host: str,
                      agent_names: Iterable[str] = DEFAULT_AGENT_CERT_NAMES) -> str | None:
