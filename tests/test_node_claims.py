@@ -4,6 +4,7 @@ capacity beyond the configured maxima, and a capacity change of a live node is a
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from handlers.identity.authz import NodeBinding, refuse_crowded_host
@@ -120,3 +121,53 @@ async def test_more_nodes_per_host_only_by_the_setting(
             for server, _ in servers:
                 await server.stop(None)
             await evil_ch.close()
+
+
+@pytest.mark.parametrize(("subject", "names"), [
+    ("CN=a", ["a"]), ("CN=compute-agent,CN=persysctl", ["compute-agent", "persysctl"]),
+    ("O=x+CN=a,OU=y", ["a"]), (r"CN=a\,CN=b", [r"a\,CN=b"]), ("O=only", []),
+    ("2.5.4.3=a,cn=b", ["a", "b"])])
+def test_subject_common_names(subject: str, names: list[str]) -> None:
+    from handlers.identity.authz import subject_common_names
+
+    assert subject_common_names(subject) == names
+
+
+async def test_a_subject_with_two_common_names_is_refused(
+        pki, etcd_server, redis_server, key_root, stream_key):  # noqa: F811
+    """grpc reads the first CN, Go's x509 the last: a certificate with an operator's CN and an
+    agent's is neither, whichever comes first; refused for operator and agent RPCs alike."""
+    from tests.fixtures.harness import running_scheduler
+
+    s = settings_for(pki, etcd_server, redis_server, key_root, stream_key)
+    twins = [pki.ca.issue("persysctl", names=("127.0.0.2",),
+                          more_common_names=("compute-agent",)),
+             pki.ca.issue("compute-agent", names=("127.0.0.2",),
+                          more_common_names=("persysctl",))]
+    async with running_scheduler(s) as sched:
+        address = f"127.0.0.1:{sched.grpc_port}"
+        for twin in twins:
+            ch, caller = stub(address, pki, twin)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await caller.ListNodes(pb.ListNodesRequest(), timeout=5)
+                assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "2 common names" in (caught.value.details() or "")
+                reg = await caller.RegisterNode(pb.RegisterNodeRequest(
+                    node_id="twin", grpc_endpoint="127.0.0.2:50051", capabilities=CAPS),
+                    timeout=5)
+                assert not reg.accepted
+                assert "2 common names" in reg.reason
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await caller.Heartbeat(pb.HeartbeatRequest(node_id="twin"), timeout=5)
+                assert caught.value.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                                               grpc.StatusCode.NOT_FOUND)
+            finally:
+                await ch.close()
+        assert sched.cluster.nodes.get("twin") is None
+        # a certificate with one common name still works
+        op_ch, operator = stub(address, pki, pki.operator)
+        try:
+            await operator.ListNodes(pb.ListNodesRequest(), timeout=5)
+        finally:
+            await op_ch.close()
