@@ -125,6 +125,8 @@ class Settings:
     node_binding: NodeBinding = NodeBinding.ENDPOINT
     #: in ``endpoint`` binding, how many live nodes one agent endpoint host may hold
     nodes_per_host: int = 1
+    #: answered dials in a row that return a node marked NotReady for unanswered dials
+    node_ready_after_dials: int = 3
     #: the largest capacity a node may claim (a claim of 2^62 took every placement)
     node_max_cpu_millicores: int = NODE_MAX_CPU_MILLICORES
     node_max_memory_mb: int = NODE_MAX_MEMORY_MB
@@ -380,6 +382,8 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         operator_cert_names=operator_cert_names,
         node_binding=NodeBinding(binding_text),
         nodes_per_host=r.integer("SCHEDULER_NODES_PER_HOST", 1, minimum=1, maximum=100_000),
+        node_ready_after_dials=r.integer("SCHEDULER_NODE_READY_AFTER_DIALS", 3, minimum=1,
+                                         maximum=100),
         node_max_cpu_millicores=r.integer("SCHEDULER_NODE_MAX_CPU_MILLICORES",
                                           NODE_MAX_CPU_MILLICORES, minimum=1,
                                           maximum=NODE_CAPACITY_CEILING),
