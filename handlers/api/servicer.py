@@ -21,6 +21,7 @@ from handlers.api.access import caller_of
 from handlers.api.convert import disk_view, node_view, workload_view
 from handlers.api.explain import PlacementExplainer
 from handlers.api.spec_message import spec_message
+from handlers.api.watchlimits import WatchLimits, peer_host
 from handlers.cluster.modes import ModeState
 from handlers.identity.authz import Caller
 from handlers.nodes.commands import NodeCommands
@@ -102,6 +103,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         self.events = events
         self.mode = mode
         self.metrics = metrics
+        self.watch_limits = WatchLimits(settings.watch_max, settings.watch_max_per_caller)
 
     # -- helpers ----------------------------------------------------------------------------
     async def _require_writable(self, context: grpc.aio.ServicerContext) -> None:
@@ -519,8 +521,16 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         if self.events is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "events need REDIS_ADDR")
         assert self.events is not None
-        async for view in self.events.watch_events(request, context):
-            yield view
+        caller = self._caller(context)
+        identity = caller.describe() if caller is not None else peer_host(context.peer())
+        refusal = self.watch_limits.acquire(identity)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        try:
+            async for view in self.events.watch_events(request, context):
+                yield view
+        finally:
+            self.watch_limits.release(identity)
 
     # -- not yet implemented features -------------------------------------------------------
     async def ControlStream(self, request_iterator: Any, context: grpc.aio.ServicerContext
