@@ -14,9 +14,11 @@ own threads, before a call reaches this process's event loop:
   (tests/test_grpc_server.py's burst), 1024 none; an agent has one or two streams.
 * keepalive enforcement: a client pinging more often than
   ``SCHEDULER_GRPC_MIN_PING_INTERVAL`` (10 s) is sent GOAWAY after two strikes; the server
-  pings an idle-but-open connection every ``SCHEDULER_GRPC_KEEPALIVE_TIME`` (5 min) and drops
+  pings every connection each ``SCHEDULER_GRPC_KEEPALIVE_TIME`` (1 min) and drops
   it when no answer comes within ``SCHEDULER_GRPC_KEEPALIVE_TIMEOUT`` (20 s), so dead peers
-  do not hold memory.
+  do not hold memory, nor, for longer than about 80 s, a caller that stopped reading its
+  socket (the ping cannot reach it). Not covered (unmeasured): a caller that reads and answers
+  pings but keeps its HTTP/2 flow-control window closed; its answers stay buffered.
 * ``SCHEDULER_GRPC_MAX_CONNECTION_IDLE`` (30 min): a connection without calls is closed (an
   agent heartbeats every minute, so only abandoned connections reach it).
 * ``SCHEDULER_GRPC_MAX_CONNECTION_AGE`` (0, off) with ``..._GRACE`` (5 min): connections are

@@ -131,7 +131,7 @@ class Settings:
     #: enforcement and pings, idle and age limits of a connection (0: no age limit)
     grpc_max_concurrent_streams: int = 1024
     grpc_min_ping_interval_s: float = 10.0
-    grpc_keepalive_time_s: float = 300.0
+    grpc_keepalive_time_s: float = 60.0
     grpc_keepalive_timeout_s: float = 20.0
     grpc_max_connection_idle_s: float = 1800.0
     grpc_max_connection_age_s: float = 0.0
@@ -400,7 +400,7 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
                                               minimum=1, maximum=1 << 20),
         grpc_min_ping_interval_s=r.duration("SCHEDULER_GRPC_MIN_PING_INTERVAL", 10.0,
                                             allow_zero=False),
-        grpc_keepalive_time_s=r.duration("SCHEDULER_GRPC_KEEPALIVE_TIME", 300.0,
+        grpc_keepalive_time_s=r.duration("SCHEDULER_GRPC_KEEPALIVE_TIME", 60.0,
                                          allow_zero=False),
         grpc_keepalive_timeout_s=r.duration("SCHEDULER_GRPC_KEEPALIVE_TIMEOUT", 20.0,
                                             allow_zero=False),
