@@ -15,6 +15,7 @@ All of it lives on the event loop thread; a synchronous reader never sees half o
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections import Counter
 from collections.abc import Iterable
@@ -205,7 +206,16 @@ class HostIndex:
 
     @staticmethod
     def key(host: str) -> str:
-        return host.strip().strip("[]").lower()
+        """One spelling per host: an IP in its canonical form (an IPv4-mapped IPv6 address as
+        its IPv4 address), a name lower-cased without a trailing dot."""
+        text = host.strip().strip("[]").lower()
+        try:
+            ip = ipaddress.ip_address(text)
+        except ValueError:
+            return text.rstrip(".")
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ip)
 
     def _remove(self, node_id: str, node: Node) -> None:
         ids = self.by_host.get(self.key(node.ip_address))

@@ -171,3 +171,11 @@ async def test_a_subject_with_two_common_names_is_refused(
             await operator.ListNodes(pb.ListNodesRequest(), timeout=5)
         finally:
             await op_ch.close()
+
+
+def test_one_host_has_one_key() -> None:
+    from projections.cluster import HostIndex
+
+    assert HostIndex.key("[::ffff:127.0.0.2]") == HostIndex.key("127.0.0.2") == "127.0.0.2"
+    assert HostIndex.key("[0:0::1]") == HostIndex.key("::1")
+    assert HostIndex.key("Agent-1.Example.com.") == "agent-1.example.com"
