@@ -38,6 +38,7 @@ CATALOGUE: Mapping[str, str] = {
     "NodeUntainted": "UntaintNode",
     "NodeLabelSet": "SetNodeLabel",
     "NodeLabelDeleted": "DeleteNodeLabel",
+    "NodeCapacityChanged": "RegisterNode of a live node that declares another capacity",
     "LeaderElected": "leadership gained",
     "LeaderLost": "leadership lost",
     "SchedulerModeChanged": "mode supervisor",

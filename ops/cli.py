@@ -125,9 +125,15 @@ def _dev_settings(args: argparse.Namespace) -> Settings:
         "LOG_FORMAT": env.get("LOG_FORMAT", "text"),
         "LOG_LEVEL": env.get("LOG_LEVEL", "warning"),
     })
-    return load_settings(env, insecure=True).with_overrides(
-        grpc_port=8085 if args.grpc_port is None else args.grpc_port,
+    grpc_port = 8085 if args.grpc_port is None else args.grpc_port
+    settings = load_settings(env, insecure=True)
+    return settings.with_overrides(
+        grpc_port=grpc_port,
         metrics_port=args.metrics_port,
+        # the SRV record's port follows --grpc-port (0: the port the system chose), unless
+        # SCHEDULER_ADVERTISE_PORT says otherwise; load_settings took GRPC_PORT's 8085
+        advertise_port=(settings.advertise_port if env.get("SCHEDULER_ADVERTISE_PORT")
+                        else grpc_port),
     )
 
 

@@ -15,6 +15,7 @@ All of it lives on the event loop thread; a synchronous reader never sees half o
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections import Counter
 from collections.abc import Iterable
@@ -196,6 +197,48 @@ class SpecChanges:
         self.index.new_generation()
 
 
+class HostIndex:
+    """Node ids by the host of their agent endpoint (``ip_address``, lower-cased): how many
+    nodes one endpoint host holds, without a scan of every node per registration."""
+
+    def __init__(self) -> None:
+        self.by_host: dict[str, set[str]] = {}
+
+    @staticmethod
+    def key(host: str) -> str:
+        """One spelling per host: an IP in its canonical form (an IPv4-mapped IPv6 address as
+        its IPv4 address), a name lower-cased without a trailing dot."""
+        text = host.strip().strip("[]").lower()
+        try:
+            ip = ipaddress.ip_address(text)
+        except ValueError:
+            return text.rstrip(".")
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ip)
+
+    def _remove(self, node_id: str, node: Node) -> None:
+        ids = self.by_host.get(self.key(node.ip_address))
+        if ids is not None:
+            ids.discard(node_id)
+            if not ids:
+                del self.by_host[self.key(node.ip_address)]
+
+    def changed(self, item_id: str, old: Item[Node] | None, new: Item[Node] | None) -> None:
+        if old is not None:
+            self._remove(item_id, old.value)
+        if new is not None and new.value.ip_address:
+            self.by_host.setdefault(self.key(new.value.ip_address), set()).add(item_id)
+
+    def reset(self, items: dict[str, Item[Node]]) -> None:
+        self.by_host = {}
+        for item_id, item in items.items():
+            self.changed(item_id, None, item)
+
+    def at(self, host: str) -> set[str]:
+        return set(self.by_host.get(self.key(host), ()))
+
+
 class ClusterProjection:
     """Nodes, workloads, allocations and liveness of the whole cluster, on every replica."""
 
@@ -226,6 +269,8 @@ class ClusterProjection:
         self.alive: PrefixProjection[bytes] = PrefixProjection(
             etcd, layout.alive_prefix, _decode_alive, name="alive", metrics=metrics,
         )
+        self.hosts = HostIndex()
+        self.nodes.listeners.append(self.hosts)
         self.workloads = WorkloadIndex()
         self.statuses.listeners.append(self.workloads)
         self.specs.listeners.append(SpecChanges(self.workloads))

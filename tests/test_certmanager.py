@@ -336,7 +336,8 @@ async def test_a_scheduler_serves_and_reaches_agents_with_its_vault_certificate(
     settings = make_settings(etcd_server, redis_server, key_root, stream_key, insecure=False,
                              vault_enabled=True, agent_tls_enabled=True,
                              tls_ca=str(certs / "ca.pem"), tls_cert=str(certs / "tls.crt"),
-                             tls_key=str(certs / "tls.key"))
+                             tls_key=str(certs / "tls.key"),
+                             nodes_per_host=2)  # the simulated agents share 127.0.0.1
 
     def issue(common_name: str) -> dict[str, str]:
         data: dict[str, str] = bao.api("POST", f"{pki_mount}/issue/{ROLE}", {

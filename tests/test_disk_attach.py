@@ -112,7 +112,7 @@ async def test_a_workload_takes_its_disk_and_gives_it_back(cluster):
 
 
 async def test_a_pinned_local_disk_places_the_workload_on_its_node(cluster):
-    _, fleet, stub = cluster
+    sched, fleet, stub = cluster
     target = fleet.nodes[2].node_id
     disk = (await stub.CreateDisk(pb.CreateDiskRequest(name="pinned", driver="local",
                                                        node_id=target))).disk
@@ -123,8 +123,13 @@ async def test_a_pinned_local_disk_places_the_workload_on_its_node(cluster):
             assert await assigned(stub, "pinned-0") == target
         else:
             assert not resp.success  # ReadWriteOnce
+    # CreateDisk refuses a node that is not registered: a disk whose node was removed since
     gone = (await stub.CreateDisk(pb.CreateDiskRequest(name="elsewhere", driver="local",
-                                                       node_id="no-such-node"))).disk
+                                                       node_id=target))).disk
+    kv = await sched.etcd.get(sched.layout.volume(gone.id))
+    record = json.loads(kv.value)
+    record["nodeId"] = "no-such-node"
+    await sched.etcd.txn([], [Put(kv.key, json.dumps(record).encode())])
     resp = await stub.ApplyWorkload(with_disks("stranded", gone.id))
     assert not resp.success
     assert "no-such-node" in resp.error_message

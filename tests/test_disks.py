@@ -11,6 +11,7 @@ import pytest
 from eventsource.etcd import Put
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import control_stub, make_settings, running_scheduler
+from tests.fixtures.waiting import wait_for
 
 
 @pytest.fixture
@@ -21,7 +22,13 @@ async def api(etcd_server, key_root, stream_key):
 
 
 async def test_disk_lifecycle(api):
-    _sched, stub = api
+    sched, stub = api
+    # a local disk is pinned to a registered node
+    assert (await stub.RegisterNode(pb.RegisterNodeRequest(
+        node_id="n1", grpc_endpoint="127.0.0.1:50051",
+        capabilities=pb.NodeCapabilities(cpu_total_millicores=1000, memory_total_mb=1024)))
+    ).accepted
+    await wait_for(lambda: sched.cluster.nodes.get("n1") is not None)
     created = (await stub.CreateDisk(pb.CreateDiskRequest(name="data-1", driver="ceph_rbd",
                                                           size_gb=20))).disk
     assert created.id.startswith("disk-")

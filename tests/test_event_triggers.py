@@ -50,6 +50,7 @@ COVERAGE: dict[str, str] = {
     "NodeUntainted": "test_node_commands_and_liveness",
     "NodeLabelSet": "test_node_commands_and_liveness",
     "NodeLabelDeleted": "test_node_commands_and_liveness",
+    "NodeCapacityChanged": "test_node_commands_and_liveness",
     "NodeDraining": "test_node_commands_and_liveness",
     "Relocated": "test_node_commands_and_liveness",
     "NodeReady": "test_node_commands_and_liveness",
@@ -265,6 +266,17 @@ async def test_node_commands_and_liveness(
             capabilities=pb.NodeCapabilities(cpu_total_millicores=1, memory_total_mb=1,
                                              supported_workload_types=["container"])))
         assert resp.accepted, resp.reason
+        # the live node declares another capacity
+        resp = await stub.RegisterNode(pb.RegisterNodeRequest(
+            node_id="ghost", grpc_endpoint="127.0.0.1:1",
+            capabilities=pb.NodeCapabilities(cpu_total_millicores=2, memory_total_mb=3,
+                                             supported_workload_types=["container"])))
+        assert resp.accepted, resp.reason
+        [capacity] = await await_events(stub, "NodeCapacityChanged", node_id="ghost")
+        assert_documented(capacity)
+        assert plain(capacity) == {"cpu_millicores": "2", "memory_mb": "3",
+                                        "previous_cpu_millicores": "1",
+                                        "previous_memory_mb": "1"}
 
         endpoints = {n.node_id: n.endpoint for n in s.fleet.nodes} | {"ghost": "127.0.0.1:1"}
         joined = await await_events(stub, "NodeJoined", n=3)

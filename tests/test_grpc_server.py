@@ -40,7 +40,7 @@ async def test_a_burst_of_calls_waits_its_turn_instead_of_being_cancelled(
             for channel in channels:
                 await channel.close()
         # every call reached the handler, which answers an unknown node NOT_FOUND (Go's answer)
-        assert codes == {grpc.StatusCode.NOT_FOUND: BURST}
+        assert codes == {grpc.StatusCode.NOT_FOUND: BURST}, dict(codes)
 
 
 async def _code(stub: control_pb2_grpc.AgentControlStub, node_id: str) -> grpc.StatusCode:

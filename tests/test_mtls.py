@@ -68,7 +68,8 @@ def pki(tmp_path_factory) -> Pki:
 def tls_settings(pki, etcd, redis, root, stream, **overrides):
     return make_settings(etcd, redis, root, stream, insecure=False,
                          tls_ca=str(pki.served_ca), tls_cert=str(pki.served_cert),
-                         tls_key=str(pki.served_key), agent_tls_enabled=True, **overrides)
+                         tls_key=str(pki.served_key), agent_tls_enabled=True,
+                         **{"nodes_per_host": 8, **overrides})  # simulated agents share a host
 
 
 def channel(address: str, ca: bytes, client: Issued | None) -> grpc.aio.Channel:

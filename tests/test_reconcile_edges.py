@@ -73,10 +73,16 @@ async def test_a_delete_is_not_finalised_while_the_node_is_alive_but_does_not_an
         assert s.sched.cluster.specs.get("w") is not None, (
             f"finalised while its alive node's agent still runs it: actions={report.actions}")
 
-        # the agent answers again (and its heartbeat made the node Ready): deleted, finalised
+        # the agent answers again: the cycles' answered dials make the node Ready
+        # (SCHEDULER_NODE_READY_AFTER_DIALS; its heartbeats alone do not): deleted, finalised
         overloaded["on"] = False
-        await wait_for(lambda: s.sched.cluster.nodes.get(node.node_id).value.status  # type: ignore[union-attr]
-                       == "Ready", timeout=10, message="Ready again")
+
+        async def ready_again() -> bool:
+            await s.loops.reconcile.run_once()
+            await s.caught_up()
+            return s.sched.cluster.nodes.get(node.node_id).value.status == "Ready"  # type: ignore[union-attr]
+
+        await wait_for(ready_again, timeout=20, message="Ready again")
 
         async def finalised() -> bool:
             await s.loops.reconcile.run_once()

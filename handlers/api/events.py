@@ -13,7 +13,9 @@
   the tailer offers one when a live entry's ``prev`` is an entry it never read. ``EventsGap``
   entries always pass the filters.
 * A read after a cursor goes on until it has ``limit`` matches or reaches the end: a short page
-  means "nothing more". Watch history is sent page by page.
+  means "nothing more", except a page that ends early at ``PAGE_BYTES_MAX`` (3 MiB, under the
+  4 MiB every gRPC client takes by default): read on after its last id. Watch history is sent
+  page by page.
 * A watch that ends because Redis went away or the client fell behind gets UNAVAILABLE or
   RESOURCE_EXHAUSTED naming the last id it was sent, to resume from.
 * Under Sentinel (``catch_up_s`` > 0), just after a failover the new master's stream may end
@@ -58,6 +60,12 @@ PAGE = 500
 #: how far back a filtered ListEvents without a cursor may scan for the newest matches before
 #: it settles for fewer (a reader after a cursor reads on to the end instead)
 MAX_SCAN = 200_000
+#: the most a ListEvents page holds in bytes: under the 4 MiB every gRPC client accepts by
+#: default, with room for the envelope. A page that would be larger ends early; the last
+#: event's id is the cursor (``after_id``) to read on from.
+PAGE_BYTES_MAX = 3 * 1024 * 1024
+#: the longest filter value (an id or an event type)
+FILTER_MAX_CHARS = 253
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +244,7 @@ class EventService:
         if req.limit < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "limit: must not be negative")
         limit = min(int(req.limit) or DEFAULT_LIMIT, MAX_LIMIT)
+        await self._check_filters(context, req)
         flt = EventFilter(req.type.strip(), req.workload_id.strip(), req.node_id.strip())
         cursor = await self._cursor(req.after_id, context)
         resp = control_pb2.ListEventsResponse()
@@ -254,12 +263,29 @@ class EventService:
                         resp.events.append(gap)
         except (RedisUnavailable, StreamError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"event stream unavailable: {exc}")
-        resp.events.extend(event_view(e) for e in entries)
+        size = resp.ByteSize()
+        for entry in entries:
+            view = event_view(entry)
+            # a repeated field costs its bytes plus a tag and a length of at most 6 bytes
+            size += view.ByteSize() + 6
+            if size > PAGE_BYTES_MAX and resp.events:
+                break  # ends early: the client reads on after the last id it got
+            resp.events.append(view)
         return resp
+
+    @staticmethod
+    async def _check_filters(context: grpc.aio.ServicerContext,
+                             req: control_pb2.ListEventsRequest | control_pb2.WatchEventsRequest
+                             ) -> None:
+        for field in ("type", "workload_id", "node_id", "after_id"):
+            if len(getattr(req, field)) > FILTER_MAX_CHARS:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{field}: longer than {FILTER_MAX_CHARS} characters")
 
     async def watch_events(self, req: control_pb2.WatchEventsRequest,
                            context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[control_pb2.SchedulerEventView]:
+        await self._check_filters(context, req)
         flt = EventFilter(req.type.strip(), req.workload_id.strip(), req.node_id.strip())
         cursor = await self._cursor(req.after_id, context)
         last_sent = cursor or ""

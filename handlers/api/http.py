@@ -17,6 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 log = logging.getLogger("persys.http")
 
+#: the most a request line and its headers may take (as asyncio's reader buffers a line);
+#: beyond, the answer is 431
+HEADERS_MAX_BYTES = 64 * 1024
+
 
 class HttpEndpoint:
     def __init__(self, registry: CollectorRegistry, health: Callable[[], dict[str, str]]) -> None:
@@ -45,21 +49,9 @@ class HttpEndpoint:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            async with asyncio.timeout(10):
-                request_line = await reader.readline()
-                while True:
-                    line = await reader.readline()
-                    if line in (b"\r\n", b"\n", b""):
-                        break
-            parts = request_line.decode("latin-1").split()
-            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else "/"
-            if path == "/health":
-                status, ctype, body = 200, "application/json", json.dumps(self.health()).encode()
-            elif path == "/metrics":
-                status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
-            else:
-                status, ctype, body = 404, "text/plain", b"not found\n"
-            head = (f"HTTP/1.1 {status} {'OK' if status == 200 else 'Not Found'}\r\n"
+            status, ctype, body = await self._answer(reader)
+            reasons = {200: "OK", 404: "Not Found", 431: "Request Header Fields Too Large"}
+            head = (f"HTTP/1.1 {status} {reasons[status]}\r\n"
                     f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                     "Connection: close\r\n\r\n").encode()
             writer.write(head + body)
@@ -72,6 +64,33 @@ class HttpEndpoint:
                 await writer.wait_closed()
             except ConnectionError:
                 pass
+
+    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
+        """The status, content type and body for the request on ``reader``: 431 when its
+        request line and headers exceed ``HEADERS_MAX_BYTES`` (one line longer than the
+        reader's buffer included)."""
+        too_large = (431, "text/plain", b"request header fields too large\n")
+        total = 0
+        try:
+            async with asyncio.timeout(10):
+                request_line = await reader.readline()
+                total += len(request_line)
+                while total <= HEADERS_MAX_BYTES:
+                    line = await reader.readline()
+                    total += len(line)
+                    if line in (b"\r\n", b"\n", b""):
+                        break
+        except ValueError:  # asyncio.LimitOverrunError: one line over the reader's limit
+            return too_large
+        if total > HEADERS_MAX_BYTES:
+            return too_large
+        parts = request_line.decode("latin-1").split()
+        path = parts[1].split("?", 1)[0] if len(parts) >= 2 else "/"
+        if path == "/health":
+            return 200, "application/json", json.dumps(self.health()).encode()
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        return 404, "text/plain", b"not found\n"
 
     async def stop(self) -> None:
         if self._server is not None:

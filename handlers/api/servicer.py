@@ -21,12 +21,19 @@ from handlers.api.access import caller_of
 from handlers.api.convert import disk_view, node_view, workload_view
 from handlers.api.explain import PlacementExplainer
 from handlers.api.spec_message import spec_message
+from handlers.api.watchlimits import WatchLimits, peer_host
 from handlers.cluster.modes import ModeState
 from handlers.identity.authz import Caller
 from handlers.nodes.commands import NodeCommands
 from handlers.nodes.usage import UsageSink
 from handlers.settings.config import Settings
-from handlers.specs.fields import InvalidSpec, check_label, validate_id
+from handlers.specs.fields import (
+    REASON_MAX,
+    InvalidSpec,
+    check_label,
+    check_text,
+    validate_id,
+)
 from handlers.specs.validation import parse_apply, spec_size
 from handlers.storage.buckets.commands import BucketCommands
 from handlers.storage.buckets.model import (
@@ -96,6 +103,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         self.events = events
         self.mode = mode
         self.metrics = metrics
+        self.watch_limits = WatchLimits(settings.watch_max, settings.watch_max_per_caller)
 
     # -- helpers ----------------------------------------------------------------------------
     async def _require_writable(self, context: grpc.aio.ServicerContext) -> None:
@@ -281,8 +289,16 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
                          alive=self.cluster.alive.get(node_id) is not None,
                          last_heartbeat=last_heartbeat, used=used)
 
+    async def _check_reason(self, context: grpc.aio.ServicerContext, reason: str) -> None:
+        try:
+            check_text("reason", reason, REASON_MAX)
+        except InvalidSpec as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     async def DrainNode(self, request: control_pb2.DrainNodeRequest,
                         context: grpc.aio.ServicerContext) -> control_pb2.DrainNodeResponse:
+        await self._check_reason(context, request.reason)
+
         async def body(node_id: str) -> control_pb2.DrainNodeResponse:
             _node, moved = await self.nodes.drain(node_id, request.reason)
             return control_pb2.DrainNodeResponse(
@@ -294,6 +310,8 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
 
     async def UndrainNode(self, request: control_pb2.UndrainNodeRequest,
                           context: grpc.aio.ServicerContext) -> control_pb2.UndrainNodeResponse:
+        await self._check_reason(context, request.reason)
+
         async def body(node_id: str) -> control_pb2.UndrainNodeResponse:
             await self.nodes.undrain(node_id, request.reason)
             return control_pb2.UndrainNodeResponse(accepted=True, message="node ready",
@@ -327,6 +345,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         if request.effect not in TAINT_EFFECTS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "effect: must be empty, NoSchedule or PreferNoSchedule")
+        await self._check_label(context, "taint", request.key.strip(), "")
 
         async def body(node_id: str) -> control_pb2.UntaintNodeResponse:
             await self.nodes.untaint(node_id, request.key.strip(), request.effect)
@@ -359,6 +378,10 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
                               ) -> control_pb2.DeleteNodeLabelResponse:
         if not request.key.strip():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
+        if request.key.strip() == "scheduler_shard":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "key: scheduler_shard is managed by the scheduler")
+        await self._check_label(context, "label", request.key.strip(), "")
 
         async def body(node_id: str) -> control_pb2.DeleteNodeLabelResponse:
             await self.nodes.delete_label(node_id, request.key.strip())
@@ -400,8 +423,10 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
     async def GetNode(self, request: control_pb2.GetNodeRequest,
                       context: grpc.aio.ServicerContext) -> control_pb2.GetNodeResponse:
         await self._require_ready(context)
-        if not request.node_id.strip():
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id: required")
+        try:
+            validate_id("node_id", request.node_id)
+        except InvalidSpec as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             found = await self.cluster.nodes.get_fresh(request.node_id.strip())
         except StoreError as exc:
@@ -439,8 +464,10 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
                           context: grpc.aio.ServicerContext) -> control_pb2.GetWorkloadResponse:
         await self._require_ready(context)
         wid = request.workload_id.strip()
-        if not wid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "workload_id: required")
+        try:
+            validate_id("workload_id", wid)
+        except InvalidSpec as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             spec = await self.cluster.specs.get_fresh(wid)
         except StoreError as exc:
@@ -494,8 +521,16 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         if self.events is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "events need REDIS_ADDR")
         assert self.events is not None
-        async for view in self.events.watch_events(request, context):
-            yield view
+        caller = self._caller(context)
+        identity = caller.describe() if caller is not None else peer_host(context.peer())
+        refusal = self.watch_limits.acquire(identity)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        try:
+            async for view in self.events.watch_events(request, context):
+                yield view
+        finally:
+            self.watch_limits.release(identity)
 
     # -- not yet implemented features -------------------------------------------------------
     async def ControlStream(self, request_iterator: Any, context: grpc.aio.ServicerContext

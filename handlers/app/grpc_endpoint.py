@@ -15,8 +15,10 @@ from grpc_reflection.v1alpha import reflection
 
 from eventsource.metrics import Metrics
 from handlers.api.access import AgentRoleInterceptor
+from handlers.api.decoding import RequestDecoding
 from handlers.api.metrics import ServerMetrics
 from handlers.api.servicer import ControlServicer
+from handlers.app.grpc_limits import connection_options
 from handlers.app.start_errors import bind_problem, listen_error
 from handlers.cluster.tls import ServerCertificates
 from handlers.settings.config import Settings
@@ -99,7 +101,9 @@ class GrpcEndpoint:
             interceptors.append(AgentRoleInterceptor(
                 self.settings.agent_cert_names, lambda method: refused.labels(method).inc(),
                 self.settings.operator_cert_names))
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        interceptors.append(RequestDecoding())  # innermost: it decodes the request
+        server = grpc.aio.server(options=SERVER_OPTIONS + connection_options(self.settings),
+                                 interceptors=interceptors)
         control_pb2_grpc.add_AgentControlServicer_to_server(  # type: ignore[no-untyped-call]
             self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)

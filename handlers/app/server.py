@@ -164,7 +164,9 @@ class Scheduler:
                                         metrics=self.metrics,
                                         disks=DiskCommands(
                                             self.etcd, self.committer, self.layout, self.clock,
-                                            volume_users=self._volume_users),
+                                            volume_users=self._volume_users,
+                                            node_exists=lambda node_id: self.cluster.nodes.get(
+                                                node_id) is not None),
                                         buckets=build_buckets(os.environ),
                                         explainer=PlacementExplainer(self.cluster, self.placer))
         self.http = HttpEndpoint(self.metrics.registry, self.health)

@@ -92,6 +92,9 @@ class Caller:
     common_name: str = ""
     ips: frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address] = frozenset()
     dns_names: frozenset[str] = frozenset()
+    #: why the certificate's identity is not one (several common names, which Go's x509 and
+    #: grpc read differently: Go the last, grpc the first): such a caller is refused everything
+    ambiguous: str = ""
 
     @classmethod
     def from_auth_context(cls, auth: Mapping[str, Iterable[bytes]]) -> Caller:
@@ -104,7 +107,17 @@ class Caller:
         common = texts("x509_common_name")
         ips = frozenset(ip for ip in map(_ip, texts("peer_ip")) if ip is not None)
         dns = frozenset(_dns_key(n) for n in texts("peer_dns"))
-        return cls(common_name=common[0] if common else "", ips=ips, dns_names=dns)
+        subjects = texts("x509_subject")
+        names = subject_common_names(subjects[0]) if subjects else common
+        ambiguous = ""
+        if len(names) > 1 or len(common) > 1:
+            ambiguous = (f"the certificate's subject holds {max(len(names), len(common))} "
+                         "common names, which TLS implementations read as different "
+                         "identities; issue it with one")
+        elif any(_has_control(n) for n in names):
+            ambiguous = "the certificate's common name holds a control character"
+        return cls(common_name=common[0] if common else "", ips=ips, dns_names=dns,
+                   ambiguous=ambiguous)
 
     @classmethod
     def of(cls, common_name: str = "", names: Iterable[str] = ()) -> Caller:
@@ -134,6 +147,36 @@ class Caller:
         return bool(dot) and f"*.{parent}" in self.dns_names
 
 
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def subject_common_names(subject: str) -> list[str]:
+    """The CN values of an RFC 2253 subject (``CN=a,O=b+CN=c``), escapes honoured: grpc
+    gives the subject so, and only the first common name apart."""
+    attributes: list[str] = []
+    current, escaped = "", False
+    for char in subject:
+        if escaped:
+            current += char
+            escaped = False
+        elif char == "\\":
+            current += char
+            escaped = True
+        elif char in ",+":
+            attributes.append(current)
+            current = ""
+        else:
+            current += char
+    attributes.append(current)
+    out = []
+    for attribute in attributes:
+        kind, sep, value = attribute.partition("=")
+        if sep and kind.strip().upper() in ("CN", "2.5.4.3", "OID.2.5.4.3"):
+            out.append(value)
+    return out
+
+
 def _names(names: Iterable[str]) -> frozenset[str]:
     return frozenset(n.strip().casefold() for n in names if n.strip())
 
@@ -151,6 +194,8 @@ def refuse_call(method: str, caller: Caller, agent_names: Iterable[str],
     (which cannot be told from an agent's), and, when ``operator_names`` is not empty,
     every common name not in it. Names compare without regard to case.
     """
+    if caller.ambiguous:
+        return f"{caller.ambiguous} ({caller.describe()})"
     if method in AGENT_METHODS:
         return None
     if is_agent(caller, agent_names):
@@ -186,6 +231,8 @@ def refuse_registration(
     ``lost``: the node is NotReady or its liveness lease expired, so its old agent no longer
     speaks for it.
     """
+    if caller.ambiguous:
+        return f"{caller.ambiguous} ({caller.describe()})"
     if binding is NodeBinding.OFF:
         return None
     if binding is NodeBinding.NAME:
@@ -203,11 +250,33 @@ def refuse_registration(
             f"host may register it only once it is lost (NotReady, or its lease expired)")
 
 
+def refuse_crowded_host(binding: NodeBinding, *, node_id: str, host: str,
+                        live_at_host: Iterable[str], limit: int) -> str | None:
+    """Why ``node_id`` may not join the ``live_at_host`` nodes (the other live nodes whose
+    agent endpoint is at ``host``), or None if it may.
+
+    In ``endpoint`` binding a certificate speaks for the nodes at the hosts it names, so one
+    agent certificate could register any number of node ids at its own host and take every
+    placement; a host holds at most ``limit`` live nodes (``SCHEDULER_NODES_PER_HOST``). A
+    node already counted there re-registers freely, and a lost node does not count.
+    """
+    if binding is not NodeBinding.ENDPOINT:
+        return None
+    others = sorted(n for n in live_at_host if n != node_id)
+    if len(others) < limit:
+        return None
+    shown = ", ".join(repr(n) for n in others[:5]) + (", ..." if len(others) > 5 else "")
+    return (f"grpc_endpoint: host {host!r} already holds {len(others)} live node(s) ({shown}); "
+            f"at most {limit} per agent endpoint host (SCHEDULER_NODES_PER_HOST)")
+
+
 def refuse_heartbeat(caller: Caller, binding: NodeBinding, *, node_id: str,
                      registered_host: str,
                      agent_names: Iterable[str] = DEFAULT_AGENT_CERT_NAMES) -> str | None:
     """Why ``caller`` may not heartbeat for ``node_id`` (registered at
     ``registered_host``), or None if it may."""
+    if caller.ambiguous:
+        return f"{caller.ambiguous} ({caller.describe()})"
     if binding is NodeBinding.OFF:
         return None
     if binding is NodeBinding.NAME:

@@ -25,6 +25,7 @@ from eventsource.records import Node, WorkloadStatus
 from handlers.cluster.modes import ModeState
 from handlers.identity.authz import Caller, refuse_heartbeat
 from handlers.nodes.leases import LivenessLeases
+from handlers.nodes.recovery import held_by_dials
 from handlers.nodes.reports import (
     LOG_TAIL_BYTES,
     agent_message,
@@ -110,7 +111,10 @@ class Heartbeats:
         except (Conflict, StoreError) as exc:
             log.warning("liveness not renewed node_id=%s: %s", node_id, exc)
         node = item.value
-        if node.status not in (READY, *STICKY_STATUSES) and node.status != "":
+        if node.status not in (READY, *STICKY_STATUSES) and node.status != "" \
+                and not held_by_dials(node):
+            # a node marked for unanswered dials returns only by answered dials
+            # (handlers/nodes/recovery.py): its heartbeats alone would make it flap
             await self._mark_ready(node_id, node.status, now)
         await self._apply_statuses(node_id, req, now)
         drain = self.cluster.nodes.get(node_id) is not None and (
@@ -122,7 +126,7 @@ class Heartbeats:
         stamp = rfc3339(now)
 
         def mutate(node: Node) -> list[Event] | None:
-            if node.status in (READY, *STICKY_STATUSES):
+            if node.status in (READY, *STICKY_STATUSES) or held_by_dials(node):
                 return None
             previous = node.status
             node.status = READY

@@ -9,6 +9,7 @@ GetNode and ListNodes show, is kept in Redis and in memory, ``handlers.nodes.usa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -26,20 +27,30 @@ from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.records import Node, Resources, copy_record, encode
 from handlers.cluster.modes import ModeState
-from handlers.identity.authz import Caller, moves_node, refuse_registration
+from handlers.identity.authz import (
+    Caller,
+    NodeBinding,
+    moves_node,
+    refuse_crowded_host,
+    refuse_registration,
+)
 from handlers.nodes.leases import LivenessLeases
 from handlers.nodes.statuses import NOT_READY, READY, STICKY_STATUSES
 from handlers.nodes.usage import UsageSink
 from handlers.placement.decision import canonical_driver, canonical_type
 from handlers.settings.config import Settings
-from handlers.specs.fields import LABELS_MAX, InvalidSpec, check_labels, validate_id
-from projections.cluster import ClusterProjection
+from handlers.specs.fields import (
+    LABELS_MAX,
+    InvalidSpec,
+    check_labels,
+    validate_host,
+    validate_id,
+)
+from projections.cluster import ClusterProjection, HostIndex
 from proto.persys.control.v1 import control_pb2
 
 log = logging.getLogger("persys.nodes")
 
-#: the host of a node's grpc_endpoint (a DNS name is at most 253)
-HOST_MAX_CHARS = 253
 #: storage drivers a node may declare, and the length of one name
 DRIVERS_MAX, DRIVER_MAX_CHARS = 32, 64
 
@@ -106,6 +117,17 @@ class Registration:
         self.layout = layout
         self.settings = settings
         self.metrics = metrics
+        self._host_locks = [asyncio.Lock() for _ in range(64)]
+
+    def _live_at(self, host: str) -> list[str]:
+        """The live nodes (alive, not NotReady) whose agent endpoint is at ``host``."""
+        out = []
+        for other in self.cluster.hosts.at(host):
+            item = self.cluster.nodes.get(other)
+            if item is not None and item.value.status != NOT_READY \
+                    and self.cluster.alive.get(other) is not None:
+                out.append(other)
+        return out
 
     async def register(self, req: control_pb2.RegisterNodeRequest,
                        caller: Caller | None = None) -> RegisterOutcome:
@@ -115,14 +137,25 @@ class Registration:
             node_id = validate_id("node_id", req.node_id)
             endpoint = req.grpc_endpoint.strip()
             host, sep, port_text = endpoint.rpartition(":")
-            if not sep or not host or len(host) > HOST_MAX_CHARS or not port_text.isascii() \
+            if not sep or not host or not port_text.isascii() \
                     or not port_text.isdigit() or not 0 < int(port_text) < 65536:
                 raise InvalidSpec("grpc_endpoint", "required as host:port")
+            validate_host("grpc_endpoint", host)
             caps = req.capabilities
             if caps.cpu_total_millicores < 0:
                 raise InvalidSpec("capabilities.cpu_total_millicores", "must not be negative")
             if caps.memory_total_mb < 0:
                 raise InvalidSpec("capabilities.memory_total_mb", "must not be negative")
+            if caps.cpu_total_millicores > self.settings.node_max_cpu_millicores:
+                raise InvalidSpec("capabilities.cpu_total_millicores",
+                                  f"{caps.cpu_total_millicores} is more than the "
+                                  f"{self.settings.node_max_cpu_millicores} a node may claim "
+                                  "(SCHEDULER_NODE_MAX_CPU_MILLICORES)")
+            if caps.memory_total_mb > self.settings.node_max_memory_mb:
+                raise InvalidSpec("capabilities.memory_total_mb",
+                                  f"{caps.memory_total_mb} is more than the "
+                                  f"{self.settings.node_max_memory_mb} a node may claim "
+                                  "(SCHEDULER_NODE_MAX_MEMORY_MB)")
             check_labels("labels", dict(req.labels))
         except InvalidSpec as exc:
             return RegisterOutcome(False, str(exc))
@@ -143,6 +176,10 @@ class Registration:
                     lost=previous is not None and (previous.status == NOT_READY
                                                    or self.cluster.alive.get(node_id) is None),
                     agent_names=self.settings.agent_cert_names)
+                if refusal is None:
+                    refusal = refuse_crowded_host(
+                        self.settings.node_binding, node_id=node_id, host=host,
+                        live_at_host=self._live_at(host), limit=self.settings.nodes_per_host)
                 if refusal is not None:
                     raise _Refused(refusal)
             node = copy_record(previous) if previous else Node(node_id=node_id)
@@ -205,6 +242,17 @@ class Registration:
                     change.deletes.append(Delete(self.layout.skydns(
                         self.settings.agents_discovery_domain, old_shard, node_id),
                         category="dns"))
+            if previous is not None and not joined and (
+                    previous.total_cpu != node.total_cpu
+                    or previous.total_memory != node.total_memory):
+                change.events.append(Event(
+                    type="NodeCapacityChanged", node_id=node_id,
+                    reason="the agent declared another capacity",
+                    details={"cpu_millicores": str(caps.cpu_total_millicores),
+                             "memory_mb": str(caps.memory_total_mb),
+                             "previous_cpu_millicores": str(round(previous.total_cpu * 1000)),
+                             "previous_memory_mb": str(previous.total_memory)},
+                    timestamp=now))
             if joined:
                 change.events.append(Event(
                     type="NodeJoined", node_id=node_id,
@@ -228,7 +276,14 @@ class Registration:
             return True
 
         try:
-            await retry_on_conflict(attempt)
+            # registrations at one host take turns here, so two new node ids cannot both find
+            # the host free (one replica; each attempt waits until its commit is projected)
+            turn: contextlib.AbstractAsyncContextManager[Any] = (
+                self._host_locks[hash(HostIndex.key(host)) % len(self._host_locks)]
+                if caller is not None and self.settings.node_binding is NodeBinding.ENDPOINT
+                else contextlib.nullcontext())
+            async with turn:
+                await retry_on_conflict(attempt)
         except InvalidSpec as exc:  # found against the stored record (merged labels)
             return RegisterOutcome(False, str(exc))
         except _Refused as exc:

@@ -171,6 +171,7 @@ class ReconcileLoop(LoopShell):
         report.nodes_listed = len(targets)
         report.unreachable = sorted(n for n, o in observations.items() if o.unreachable)
         await self.planning.mark_unreachable(report.unreachable, views, observations, now)
+        await self.planning.probe_held(views, report.unreachable, report, now)
         plan, findings = await self.planning.plan(views, observations, report, now)
         report.actions = plan.counts()
         acting = time.perf_counter()

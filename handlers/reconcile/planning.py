@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from eventsource.errors import StoreError
 from eventsource.records import WorkloadSpec, WorkloadStatus
 from handlers.agents.pool import AgentError
+from handlers.nodes.recovery import AnsweredDials, held_by_dials
 from handlers.reconcile.bookkeeping import CycleMemory, CycleReport
 from handlers.reconcile.planner.cycle import (
     CyclePlan,
@@ -153,6 +154,8 @@ class CyclePlanning:
         #: unassigned workloads another part places (the pending placer's index): a cycle
         #: that planned each of thousands of them would cost in proportion to their number
         self.handed_off: Container[str] = ()
+        #: answered dials in a row of the nodes held NotReady for unanswered dials
+        self.dials = AnsweredDials()
 
     def targets(self, views: Mapping[str, NodeView]) -> list[NodeView]:
         """The nodes this cycle lists: owned by this shard, available."""
@@ -249,6 +252,36 @@ class CyclePlanning:
             views[node_id] = NodeView(node_id, old.exists, NOT_READY, old.alive, old.endpoint)
 
         await run_bounded(unreachable, self.concurrency, lost)
+
+    async def probe_held(self, views: Mapping[str, NodeView], just_marked: Collection[str],
+                         report: CycleReport, now: datetime) -> None:
+        """Dial each owned node held NotReady for unanswered dials while it heartbeats; one
+        that answered ``SCHEDULER_NODE_READY_AFTER_DIALS`` dials in a row is Ready again
+        (handlers/nodes/recovery.py). A node marked in this cycle is not dialed again in it."""
+        needed = self.settings.node_ready_after_dials
+        held: list[NodeView] = []
+        for view in views.values():
+            if not (view.exists and view.alive and view.status == NOT_READY) \
+                    or view.node_id in just_marked or not self.leader.owns(view.node_id):
+                continue
+            item = self.cluster.nodes.get(view.node_id)
+            if item is not None and held_by_dials(item.value):
+                held.append(view)
+        self.dials.keep_only({v.node_id for v in held})
+
+        async def one(view: NodeView) -> None:
+            report.rpcs["ListWorkloads"] += 1
+            try:
+                await self.agents.list_workloads_raw(view.node_id, view.endpoint,
+                                                     leader_only=True)
+            except AgentError:
+                self.dials.unanswered(view.node_id)
+                return
+            if self.dials.answered(view.node_id) >= needed and \
+                    await self.shell.mark_ready_by_dials(view.node_id, dials=needed, now=now):
+                self.dials.unanswered(view.node_id)
+
+        await run_bounded(held, self.concurrency, one)
 
     async def plan(self, views: Mapping[str, NodeView],
                    observations: Mapping[str, NodeObservation], report: CycleReport,

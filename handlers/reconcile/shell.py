@@ -20,6 +20,8 @@ from eventsource.errors import StoreError
 from eventsource.etcd import Compare
 from eventsource.events import Event, rfc3339
 from eventsource.records import Node
+from handlers.nodes.recovery import held_by_dials
+from handlers.nodes.statuses import READY
 from handlers.reconcile.disruption import EvictionDecision, EvictionGate
 from handlers.reconcile.parts import SchedulerParts
 from handlers.reconcile.planner.inputs import MONITORED_NODE_STATUSES, NodeView, node_view
@@ -120,6 +122,33 @@ class LoopShell:
         self.metrics.evictions_waiting.set(len(decision.waiting))
         self.metrics.evictions_held.set(1 if decision.disrupted else 0)
         return decision
+
+    async def mark_ready_by_dials(self, node_id: str, *, dials: int, now: datetime) -> bool:
+        """NotReady (marked for unanswered dials) -> Ready with a ``NodeReady`` event, once
+        the agent answered ``dials`` dials in a row; fenced. True when it changed."""
+        stamp = rfc3339(now)
+
+        def mutate(node: Node) -> list[Event] | None:
+            if not held_by_dials(node):
+                return None
+            node.status = READY
+            node.status_reason = f"the agent answered {dials} dials in a row"
+            node.status_updated_by = "reconciler"
+            node.status_updated_at = stamp
+            return [Event(type="NodeReady", node_id=node_id, reason=node.status_reason,
+                          timestamp=now, details={"source": "reconciler"})]
+
+        try:
+            _, committed = await self.writer.update_node(node_id, mutate, kind="reconciler",
+                                                         fenced=True)
+        except NotFound:
+            return False
+        except StoreError as exc:
+            log.warning("node not marked Ready node_id=%s: %s", node_id, exc)
+            return False
+        if committed is not None:
+            log.info("node Ready again node_id=%s after %d answered dials", node_id, dials)
+        return committed is not None
 
     async def mark_not_ready(self, node_id: str, *, reason: str, source: str,
                              now: datetime) -> bool:

@@ -72,6 +72,15 @@ DEFAULT_TLS_CERT = "/etc/persys/certs/persys_scheduler/persys_scheduler.crt"
 DEFAULT_TLS_KEY = "/etc/persys/certs/persys_scheduler/persys_scheduler-key.key"
 
 
+#: default capacity maxima of one node: 16,384 cores and 256 TiB, well above any machine sold
+#: today (the largest have under 2,000 hardware threads and 32 TiB); a setting may raise them
+#: up to ``NODE_CAPACITY_CEILING`` (2^50, far below the 2^62 a hostile agent once claimed, and
+#: exact in a float, as node capacities are summed)
+NODE_MAX_CPU_MILLICORES = 16_384_000
+NODE_MAX_MEMORY_MB = 256 * 1024 * 1024
+NODE_CAPACITY_CEILING = 1 << 50
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Everything configurable, validated."""
@@ -123,6 +132,25 @@ class Settings:
     agent_cert_names: tuple[str, ...] = DEFAULT_AGENT_CERT_NAMES
     operator_cert_names: tuple[str, ...] = ()
     node_binding: NodeBinding = NodeBinding.ENDPOINT
+    #: in ``endpoint`` binding, how many live nodes one agent endpoint host may hold
+    nodes_per_host: int = 1
+    #: answered dials in a row that return a node marked NotReady for unanswered dials
+    node_ready_after_dials: int = 3
+    #: gRPC server limits (handlers/app/grpc_limits.py): streams per connection, keepalive
+    #: enforcement and pings, idle and age limits of a connection (0: no age limit)
+    grpc_max_concurrent_streams: int = 1024
+    grpc_min_ping_interval_s: float = 10.0
+    grpc_keepalive_time_s: float = 60.0
+    grpc_keepalive_timeout_s: float = 20.0
+    grpc_max_connection_idle_s: float = 1800.0
+    grpc_max_connection_age_s: float = 0.0
+    grpc_max_connection_age_grace_s: float = 300.0
+    #: concurrent WatchEvents streams in all, and per caller identity
+    watch_max: int = 8192
+    watch_max_per_caller: int = 1024
+    #: the largest capacity a node may claim (a claim of 2^62 took every placement)
+    node_max_cpu_millicores: int = NODE_MAX_CPU_MILLICORES
+    node_max_memory_mb: int = NODE_MAX_MEMORY_MB
     agent_rpc_timeout_s: float = 10.0
     agent_apply_timeout_s: float = 45.0
     agent_vm_apply_timeout_s: float = 240.0
@@ -426,6 +454,30 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         agent_cert_names=agent_cert_names,
         operator_cert_names=operator_cert_names,
         node_binding=NodeBinding(binding_text),
+        nodes_per_host=r.integer("SCHEDULER_NODES_PER_HOST", 1, minimum=1, maximum=100_000),
+        node_ready_after_dials=r.integer("SCHEDULER_NODE_READY_AFTER_DIALS", 3, minimum=1,
+                                         maximum=100),
+        grpc_max_concurrent_streams=r.integer("SCHEDULER_GRPC_MAX_CONCURRENT_STREAMS", 1024,
+                                              minimum=1, maximum=1 << 20),
+        grpc_min_ping_interval_s=r.duration("SCHEDULER_GRPC_MIN_PING_INTERVAL", 10.0,
+                                            allow_zero=False),
+        grpc_keepalive_time_s=r.duration("SCHEDULER_GRPC_KEEPALIVE_TIME", 60.0,
+                                         allow_zero=False),
+        grpc_keepalive_timeout_s=r.duration("SCHEDULER_GRPC_KEEPALIVE_TIMEOUT", 20.0,
+                                            allow_zero=False),
+        grpc_max_connection_idle_s=r.duration("SCHEDULER_GRPC_MAX_CONNECTION_IDLE", 1800.0,
+                                              allow_zero=False),
+        grpc_max_connection_age_s=r.duration("SCHEDULER_GRPC_MAX_CONNECTION_AGE", 0.0),
+        grpc_max_connection_age_grace_s=r.duration("SCHEDULER_GRPC_MAX_CONNECTION_AGE_GRACE",
+                                                   300.0),
+        watch_max=r.integer("SCHEDULER_WATCH_MAX", 8192, minimum=1, maximum=1_000_000),
+        watch_max_per_caller=r.integer("SCHEDULER_WATCH_MAX_PER_CALLER", 1024, minimum=1,
+                                       maximum=1_000_000),
+        node_max_cpu_millicores=r.integer("SCHEDULER_NODE_MAX_CPU_MILLICORES",
+                                          NODE_MAX_CPU_MILLICORES, minimum=1,
+                                          maximum=NODE_CAPACITY_CEILING),
+        node_max_memory_mb=r.integer("SCHEDULER_NODE_MAX_MEMORY_MB", NODE_MAX_MEMORY_MB,
+                                     minimum=1, maximum=NODE_CAPACITY_CEILING),
         agent_rpc_timeout_s=r.duration("SCHEDULER_AGENT_RPC_TIMEOUT", 10.0, allow_zero=False),
         agent_apply_timeout_s=r.duration("SCHEDULER_AGENT_APPLY_TIMEOUT", 45.0),
         agent_vm_apply_timeout_s=r.duration("SCHEDULER_AGENT_VM_APPLY_TIMEOUT", 240.0),

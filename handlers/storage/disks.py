@@ -24,12 +24,17 @@ from eventsource.etcd import AsyncEtcd, Compare, Delete, KeyValue, Put
 from eventsource.events import rfc3339
 from eventsource.keys import KeyLayout
 from handlers.placement.decision import canonical_driver
+from handlers.specs.fields import InvalidSpec, check_mount_path, validate_id
 
 DRIVERS = frozenset({"local", "nfs", "ceph-rbd"})
 ACCESS_MODES = frozenset({"ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany"})
 #: create attempts when other volume writes keep coming first
 CREATE_ATTEMPTS = 5
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+#: a file system type as mkfs names it (ext4, xfs, btrfs, ...)
+_FS_TYPE = re.compile(r"^[A-Za-z0-9._-]{0,32}$")
+#: the largest disk one may ask for: 1 PiB (the agent's backends take a size in GB)
+SIZE_GB_MAX = 1 << 20
 
 
 class DiskError(Exception):
@@ -67,6 +72,18 @@ def validate(req: DiskRequest) -> dict[str, Any]:
         raise DiskError("INVALID_ARGUMENT", f"driver: {req.driver!r} is not local, nfs or ceph-rbd")
     if req.size_gb < 0:
         raise DiskError("INVALID_ARGUMENT", "size_gb: must not be negative")
+    if req.size_gb > SIZE_GB_MAX:
+        raise DiskError("INVALID_ARGUMENT", f"size_gb: more than {SIZE_GB_MAX} GB")
+    if not _FS_TYPE.match(req.fs_type.strip()):
+        raise DiskError("INVALID_ARGUMENT",
+                        "fs_type: at most 32 letters, digits, '.', '_' or '-'")
+    node_id = req.node_id.strip()
+    try:
+        if node_id:
+            validate_id("node_id", node_id)
+        check_mount_path("mount_path", req.mount_path.strip())
+    except InvalidSpec as exc:
+        raise DiskError("INVALID_ARGUMENT", str(exc)) from None
     retain = req.retain_policy.strip() or "Delete"
     if retain not in ("Delete", "Retain"):
         raise DiskError("INVALID_ARGUMENT", "retain_policy: must be Delete or Retain")
@@ -86,7 +103,7 @@ def validate(req: DiskRequest) -> dict[str, Any]:
         "lastError": "",
         "workloadRefs": [],
         "attachedNodes": [],
-        "nodeId": req.node_id.strip(),
+        "nodeId": node_id,
         "device": f"rbd:{name}" if driver == "ceph-rbd" else "",
         "standalone": True,
         "mountPath": req.mount_path.strip() or "/data",
@@ -96,7 +113,8 @@ def validate(req: DiskRequest) -> dict[str, Any]:
 class DiskCommands:
     def __init__(self, etcd: AsyncEtcd, committer: Committer, layout: KeyLayout,
                  clock: Clock, *,
-                 volume_users: Callable[[str, str], list[str]] | None = None) -> None:
+                 volume_users: Callable[[str, str], list[str]] | None = None,
+                 node_exists: Callable[[str], bool] | None = None) -> None:
         self.etcd = etcd
         self.committer = committer
         self.layout = layout
@@ -104,6 +122,9 @@ class DiskCommands:
         #: the workloads whose specs hold a managed volume of (driver, name): a disk made
         #: with that name would be their volume on the agent, which knows volumes by those two
         self.volume_users = volume_users
+        #: whether a node is registered (a local disk pinned to a node that does not exist
+        #: would never be provisioned)
+        self.node_exists = node_exists
 
     async def _all(self) -> list[tuple[KeyValue, dict[str, Any]]]:
         return (await self._listed())[0]
@@ -129,6 +150,10 @@ class DiskCommands:
         name the second re-lists and is refused.
         """
         fields = validate(req)
+        if fields["nodeId"] and self.node_exists is not None \
+                and not self.node_exists(fields["nodeId"]):
+            raise DiskError("INVALID_ARGUMENT", f"node_id: node {fields['nodeId']!r} is not "
+                                                "registered")
         for _ in range(CREATE_ATTEMPTS):
             listed, revision = await self._listed()
             for _, existing in listed:
@@ -162,13 +187,15 @@ class DiskCommands:
         return sorted((r for _, r in await self._all()), key=lambda r: str(r.get("id", "")))
 
     async def get(self, disk_id: str) -> tuple[KeyValue, dict[str, Any]]:
-        if not disk_id.strip():
-            raise DiskError("INVALID_ARGUMENT", "disk_id: required")
-        kv = await self.etcd.get(self.layout.volume(disk_id.strip()))
+        try:
+            disk_id = validate_id("disk_id", disk_id)
+        except InvalidSpec as exc:
+            raise DiskError("INVALID_ARGUMENT", str(exc)) from None
+        kv = await self.etcd.get(self.layout.volume(disk_id))
         if kv is None:
             raise DiskError("NOT_FOUND", f"disk {disk_id!r} not found")
         record = json.loads(kv.value)
-        record.setdefault("id", disk_id.strip())
+        record.setdefault("id", disk_id)
         return kv, record
 
     async def delete(self, disk_id: str, *, force: bool) -> None:
