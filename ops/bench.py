@@ -34,7 +34,7 @@ from typing import Any
 from handlers.app.eventloop import run as run_loop
 from ops.benchlib.clients import ApiClients
 from ops.benchlib.registry import SCENARIOS
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import PEAK_RSS, BenchContext, Outcome, Scenario
 from ops.benchlib.stack import (
     DEFAULT_NODE_PREFIX,
     NODES_PER_SIM_PROCESS,
@@ -117,6 +117,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                       help="failover: leader kills (default 3)")
     size.add_argument("--lease-ttl", type=_positive_int, default=15,
                       help="failover: leader lease TTL in seconds (default 15)")
+    size.add_argument("--fault", choices=("kill", "pause"), default="kill",
+                      help="failover: SIGKILL the leader and start it again (kill, default), or "
+                           "SIGSTOP it past its lease and resume it once a standby leads "
+                           "(pause: counts stale_leader_writes)")
     size.add_argument("--watchers", type=_positive_int, default=20,
                       help="events: WatchEvents clients (default 20)")
     size.add_argument("--rate", type=_positive_float, default=200.0,
@@ -227,6 +231,8 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
         api = ApiClients(stack.grpc_addrs)
         ctx = BenchContext(args=args, stack=stack, api=api, prefix=prefix)
         outcome = await scenario.run(ctx)
+        if PEAK_RSS in scenario.figures and outcome.figures.get(PEAK_RSS) is None:
+            ctx.peak_rss.fill(outcome, stack.scheduler_pids)
         if stack.options.external and not stack.options.metrics_addrs:
             outcome.notes.setdefault("metrics", "no --metrics given: scheduler-side figures null")
         return _check(outcome, scenario)

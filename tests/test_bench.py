@@ -37,12 +37,17 @@ ROOT = Path(__file__).resolve().parent.parent
 #: docs/benchmark.md, "The scenarios and their figures" (exact keys).
 BENCH_FIGURES = {
     "place": {"placements_per_s", "apply_latency_p50_ms", "apply_latency_p99_ms",
-              "decision_p99_ms", "etcd_txns_per_placement", "nodes_over_capacity", "rejected"},
+              "decision_p99_ms", "etcd_txns_per_placement", "nodes_over_capacity", "rejected",
+              "scheduler_cpu_ms_per_placement", "scheduler_peak_rss_mib"},
     "reconcile": {"cycle_time_p50_ms", "cycle_time_p99_ms", "agent_rpcs_per_cycle",
-                  "etcd_writes_per_cycle", "heartbeat_etcd_writes_per_s", "scheduler_rss_mib"},
-    "churn": {"killed", "recovery_s", "agent_rpcs_during_recovery"},
+                  "etcd_writes_per_cycle", "heartbeat_etcd_writes_per_s", "scheduler_rss_mib",
+                  "scheduler_peak_rss_mib"},
+    "churn": {"killed", "recovery_s", "agent_rpcs_during_recovery", "scheduler_peak_rss_mib"},
     "events": {"events", "watchers", "event_latency_p50_ms", "event_latency_p99_ms",
-               "events_lost", "events_duplicated"},
+               "events_lost", "events_duplicated", "scheduler_cpu_ms_per_event",
+               "scheduler_peak_rss_mib"},
+    "failover": {"kills", "failover_p50_s", "failover_p99_s", "stale_leader_writes",
+                 "double_applies", "scheduler_peak_rss_mib"},
 }
 TOP_KEYS = {"scenario", "nodes", "workloads", "replicas", "figures", "notes"}
 #: Short intervals so that steady state, cycles and recovery happen within seconds.
@@ -85,6 +90,10 @@ def test_place_contract_and_no_node_over_capacity():
     assert figures["rejected"] == 0, result["notes"]
     assert figures["placements_per_s"] > 0
     assert figures["apply_latency_p50_ms"] <= figures["apply_latency_p99_ms"]
+    # the bench started the scheduler, so it knows its pid: CPU and memory are measured
+    assert figures["scheduler_cpu_ms_per_placement"] > 0
+    assert "of scheduler CPU" in result["notes"]["scheduler_cpu_ms_per_placement"]
+    assert figures["scheduler_peak_rss_mib"] > 10
     assert elapsed < 60
 
 
@@ -100,6 +109,8 @@ def test_events_contract_says_where_the_delivery_time_went():
     assert figures["watchers"] == 3
     assert figures["events_lost"] == 0
     assert figures["events_duplicated"] == 0
+    assert figures["scheduler_cpu_ms_per_event"] > 0
+    assert figures["scheduler_peak_rss_mib"] > 10
     assert re.search(r"SetNodeLabel as the client saw it .* p50 [\d.]+ p99 [\d.]+ ms",
                      notes["stages"])
     assert re.search(r"decision to stream append \(relay\) p50 [\d.]+ p99 [\d.]+ ms",
@@ -128,6 +139,29 @@ def test_reconcile_contract_with_the_fleet_in_two_processes():
     # one process's three nodes alone at most 3.5
     assert 4.0 < float(counted.group(1)) < 6.0, result["notes"]["agent_rpcs_per_cycle"]
     assert elapsed < 60
+
+
+@pytest.mark.timeout(180)
+def test_failover_with_a_paused_leader_counts_its_writes_after_the_takeover():
+    """--fault pause: the leader is SIGSTOPped past its lease, a standby takes over, the old
+    leader is resumed alone; the bench's etcd watch counts what it writes then (none) and the
+    agents count applies under an older term (none). With --fault kill the count is null with
+    its reason."""
+    result, elapsed = run_bench("failover", "--nodes", "5", "--workloads", "20",
+                                "--heartbeat-interval", "1", "--reconcile-interval", "1",
+                                "--lease-ttl", "3", "--kills", "2", "--fault", "pause",
+                                limit_s=120)
+    figures, notes = result["figures"], result["notes"]
+    assert set(figures) == BENCH_FIGURES["failover"]
+    assert result["replicas"] == 2
+    assert figures["kills"] == 2
+    assert figures["stale_leader_writes"] == 0, notes
+    assert figures["double_applies"] == 0
+    assert "resumed old leader" in notes["stale_leader_writes"]
+    # stopped past a 3 s lease: the takeover cannot be quicker than the lease's expiry
+    assert 1.0 < figures["failover_p50_s"] <= figures["failover_p99_s"] < 15, figures
+    assert figures["scheduler_peak_rss_mib"] > 10
+    assert elapsed < 120
 
 
 @pytest.mark.timeout(120)

@@ -18,9 +18,9 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import PEAK_RSS, BenchContext, Outcome, Scenario
 
-FIGURES = ("killed", "recovery_s", "agent_rpcs_during_recovery")
+FIGURES = ("killed", "recovery_s", "agent_rpcs_during_recovery", PEAK_RSS)
 CYCLES = "persys_scheduler_reconcile_cycles_total"
 KILL_FRACTION = 0.10
 POLL_S = 0.2

@@ -23,12 +23,18 @@ import grpc
 
 from ops.benchlib.procs import CpuMeter
 from ops.benchlib.quantiles import percentile
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import (
+    PEAK_RSS,
+    BenchContext,
+    Outcome,
+    Scenario,
+    scheduler_cpu_ms_per,
+)
 from ops.benchlib.stages import describe_stages, describe_storage
 from proto.persys.control.v1 import control_pb2
 
 FIGURES = ("events", "watchers", "event_latency_p50_ms", "event_latency_p99_ms",
-           "events_lost", "events_duplicated")
+           "events_lost", "events_duplicated", "scheduler_cpu_ms_per_event", PEAK_RSS)
 DURATION_S = 10.0
 DRAIN_S = 10.0
 
@@ -133,6 +139,9 @@ async def run(ctx: BenchContext) -> Outcome:
     out.figures["events_duplicated"] = sum(len(v) - 1 for v in received.values() if len(v) > 1)
     out.notes["rate"] = f"asked {rate:g}/s, sent {achieved:.0f}/s (SetNodeLabel answered)"
     out.notes["cpu"] = f"while sending and draining: {cpu.describe()}"
+    delivered = sum(len(v) for v in received.values())
+    scheduler_cpu_ms_per(out, "scheduler_cpu_ms_per_event", cpu, delivered,
+                         "tagged events delivered to watchers")
     out.notes["stages"] = describe_stages(call_latencies, scraped_before, scraped_after)
     storage = describe_storage(etcd_before, etcd_after, str(ctx.stack.workdir))
     if storage is not None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from ops.benchlib.procs import CpuMeter
 from ops.benchlib.quantiles import percentile
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import PEAK_RSS, BenchContext, Outcome, Scenario
 from ops.benchlib.workloads import IMAGE, workload_id
 from proto.persys.control.v1 import control_pb2
 
@@ -34,6 +34,7 @@ FIGURES = (
     "pending_stored",
     "placed_from_pending",
     "nodes_over_capacity",
+    PEAK_RSS,
 )
 SLOT_CPU_M = 4000
 SLOT_MEM_MB = 1024

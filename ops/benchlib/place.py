@@ -13,7 +13,13 @@ import asyncio
 from ops.benchlib.procs import CpuMeter
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import bucket_quantile, percentile
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import (
+    PEAK_RSS,
+    BenchContext,
+    Outcome,
+    Scenario,
+    scheduler_cpu_ms_per,
+)
 from ops.devstack.etcdapi import EtcdError, etcd_revision
 
 FIGURES = (
@@ -24,6 +30,8 @@ FIGURES = (
     "etcd_txns_per_placement",
     "nodes_over_capacity",
     "rejected",
+    "scheduler_cpu_ms_per_placement",
+    PEAK_RSS,
 )
 DECISION = "persys_scheduler_placement_decision_seconds"
 TXNS = "persys_scheduler_etcd_txns_total"
@@ -67,6 +75,8 @@ async def run(ctx: BenchContext) -> Outcome:
     if report.rejected:
         out.notes["rejected"] = report.describe_rejections()
     out.notes["cpu"] = f"during the applies: {cpu.describe()}"
+    scheduler_cpu_ms_per(out, "scheduler_cpu_ms_per_placement", cpu, committed,
+                         "committed placements")
 
     _decision(out, before, after)
     _txns(out, before, after, committed, rev_before, rev_after)

@@ -28,7 +28,7 @@ from ops.benchlib.etcdwatch import WriteCounter, count_prefix
 from ops.benchlib.procs import CpuMeter, rss_mib
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import percentile
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import PEAK_RSS, BenchContext, Outcome, Scenario
 
 FIGURES = (
     "cycle_time_p50_ms",
@@ -37,6 +37,7 @@ FIGURES = (
     "etcd_writes_per_cycle",
     "heartbeat_etcd_writes_per_s",
     "scheduler_rss_mib",
+    PEAK_RSS,
 )
 CYCLES = "persys_scheduler_reconcile_cycles_total"
 CYCLE_SUM = "persys_scheduler_reconcile_cycle_seconds_sum"
