@@ -34,7 +34,7 @@ from typing import Any
 from handlers.app.eventloop import run as run_loop
 from ops.benchlib.clients import ApiClients
 from ops.benchlib.registry import SCENARIOS
-from ops.benchlib.scenario import PEAK_RSS, BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import PEAK_RSS, BenchContext, MissingRpcs, Outcome, Scenario
 from ops.benchlib.stack import (
     DEFAULT_NODE_PREFIX,
     NODES_PER_SIM_PROCESS,
@@ -258,8 +258,10 @@ def render_table(result: dict[str, Any]) -> str:
     lines = [f"{result['scenario']}: {result['nodes']} nodes, {result['workloads']} workloads, "
              f"{result['replicas']} replica(s)"]
     width = max(len(k) for k in result["figures"])
+    censored = set(result["notes"].get("censored", "").split(", "))
     for key, value in result["figures"].items():
-        lines.append(f"  {key:<{width}}  {_format(value):>14}")
+        shown = ("> " if key in censored else "") + _format(value)
+        lines.append(f"  {key:<{width}}  {shown:>14}")
     if result["notes"]:
         lines.append("notes:")
         lines.extend(f"  {key}: {text}" for key, text in result["notes"].items())
@@ -267,7 +269,8 @@ def render_table(result: dict[str, Any]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run one scenario; 0 when it ran (whatever it measured), 1 on failure, 2 on misuse."""
+    """Run one scenario; 0 when it ran (whatever it measured), 1 on failure, 2 on misuse, 3
+    when the target lacks an RPC the scenario needs."""
     scenario = SCENARIOS[args.scenario]
     apply_defaults(args, scenario)
     if args.scheduler and scenario.kills_processes:
@@ -304,6 +307,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except (StackError, ServerStartError) as exc:
         print(f"persys-scheduler bench: the system under test failed: {exc}", file=sys.stderr)
         return 1
+    except MissingRpcs as exc:
+        print(f"persys-scheduler bench: {exc}; nothing was measured", file=sys.stderr)
+        return 3
     result = {
         "scenario": scenario.name,
         "nodes": args.nodes,

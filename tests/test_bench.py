@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -469,6 +470,102 @@ def test_a_bench_against_a_dev_stack_brings_its_own_nodes(tmp_path):
         if dev.poll() is None:
             dev.kill()
             dev.wait()
+
+
+@pytest.fixture
+def go_standin():
+    """The stand-in of tests/fixtures/go_standin.py (older RPC set, Go metric names only),
+    started as its own process; yields (grpc address, metrics address, pid)."""
+    from ops.devstack.process import free_port
+
+    def start(*extra: str):
+        grpc_port, metrics_port = free_port(), free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fixtures.go_standin", "--grpc-port", str(grpc_port),
+             "--metrics-port", str(metrics_port), *extra],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        started.append(proc)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                            timeout=1):
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline, "the stand-in did not start"
+                time.sleep(0.1)
+        return f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}", proc.pid
+
+    started: list[subprocess.Popen] = []
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_events_against_a_scheduler_without_the_event_rpcs_exits_non_zero_naming_them(
+        go_standin):
+    grpc_addr, metrics_addr, _ = go_standin()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "bench", "events", "--nodes", "3", "--watchers", "2",
+         "--rate", "10", "--scheduler", grpc_addr, "--metrics", metrics_addr, "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "events needs SetNodeLabel, WatchEvents, which the target does not implement" \
+        in proc.stderr
+    assert "events_lost" not in proc.stdout  # no figure that only looks measured
+
+
+@pytest.mark.timeout(150)
+def test_reconcile_against_the_go_names_waits_for_a_slow_first_cycle(go_standin):
+    # the first cycle ends 25 s after the start, later than the two intervals + 10 s the
+    # bench used to wait before it gave every cycle figure up as null
+    grpc_addr, metrics_addr, pid = go_standin("--first-cycle-delay", "25")
+    result, _ = run_bench("reconcile", "--nodes", "3", "--workloads", "6", "--cycles", "2",
+                          "--heartbeat-interval", "1", "--reconcile-interval", "1",
+                          "--scheduler", grpc_addr, "--metrics", metrics_addr,
+                          "--scheduler-pid", str(pid), limit_s=120)
+    figures, notes = result["figures"], result["notes"]
+    assert figures["cycle_time_p50_ms"] is not None, notes
+    assert figures["cycle_time_p99_ms"] >= figures["cycle_time_p50_ms"]
+    # the stand-in lists each of the 3 agents once per cycle
+    assert figures["agent_rpcs_per_cycle"] == pytest.approx(3, abs=0.5), notes
+    assert figures["etcd_writes_per_cycle"] == 0
+    assert "persys_scheduler_reconciliation_cycles_total" in notes["metrics"]
+    assert "the Go scheduler's names" in notes["metrics"]
+    assert "censored" not in notes
+    # its pid was given: memory is measured for another scheduler too
+    assert figures["scheduler_rss_mib"] > 0
+    assert figures["scheduler_peak_rss_mib"] >= figures["scheduler_rss_mib"] - 0.5
+    # no --etcd: the figure counted from etcd says so
+    assert figures["heartbeat_etcd_writes_per_s"] is None
+    assert "--etcd" in notes["heartbeat_etcd_writes_per_s"]
+
+
+@pytest.mark.timeout(120)
+def test_a_churn_recovery_that_never_ends_is_reported_censored(go_standin):
+    grpc_addr, metrics_addr, _ = go_standin()  # it never re-applies a vanished workload
+    result, _ = run_bench("churn", "--nodes", "3", "--workloads", "6",
+                          "--heartbeat-interval", "1", "--reconcile-interval", "1",
+                          "--reapply-guard", "1", "--recovery-timeout", "5",
+                          "--scheduler", grpc_addr, "--metrics", metrics_addr)
+    figures, notes = result["figures"], result["notes"]
+    assert figures["killed"] >= 1
+    assert figures["recovery_s"] >= 5.0
+    assert notes["recovery_s"].startswith("censored: more than 5")
+    assert notes["censored"] == "recovery_s"
+    # no --scheduler-pid: the memory figure is null and says why
+    assert figures["scheduler_peak_rss_mib"] is None
+    assert "--scheduler-pid" in notes["scheduler_peak_rss_mib"]
 
 
 def test_the_benchmark_contract_is_in_the_repository(capsys) -> None:

@@ -26,6 +26,7 @@ from ops.benchlib.quantiles import percentile
 from ops.benchlib.scenario import (
     PEAK_RSS,
     BenchContext,
+    MissingRpcs,
     Outcome,
     Scenario,
     scheduler_cpu_ms_per,
@@ -52,6 +53,7 @@ async def run(ctx: BenchContext) -> Outcome:
     ready = 0
     watch_calls: list[Any] = []
     all_in = asyncio.Event()
+    unimplemented: set[str] = set()
 
     async def watch(index: int, node_id: str) -> None:
         nonlocal ready
@@ -73,11 +75,24 @@ async def run(ctx: BenchContext) -> Outcome:
                 if sent and len(received) >= len(sent):
                     all_in.set()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                unimplemented.add("WatchEvents")
+            elif exc.code() != grpc.StatusCode.CANCELLED:
                 ctx.log(f"events: watcher {node_id} ended: {exc.code().name} {exc.details()}")
 
     watchers = [asyncio.create_task(watch(i, n)) for i, n in enumerate(node_ids)]
     await asyncio.sleep(1.0)  # let every watcher subscribe before the first tagged event
+    try:  # an untagged label (no watcher counts it): does the target implement SetNodeLabel?
+        await stubs[0].SetNodeLabel(control_pb2.SetNodeLabelRequest(
+            node_id=node_ids[0], key="bench-probe", value="probe"), timeout=30.0)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            unimplemented.add("SetNodeLabel")
+    if unimplemented:
+        for call in watch_calls:
+            call.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        raise MissingRpcs("events", sorted(unimplemented))
     rate = float(ctx.args.rate)
     total = int(rate * DURATION_S)
     sent: list[str] = []

@@ -49,9 +49,31 @@ class Outcome:
         self.figures[key] = None
         self.notes[key] = why
 
+    def censor(self, key: str, bound: float, unit: str, why: str) -> None:
+        """``key`` was still running when the bench stopped waiting: its value is the lower
+        bound ``bound``, its note starts with "censored: more than", and ``notes["censored"]``
+        lists every censored figure (a reader must not take the bound for a measurement)."""
+        self.figures[key] = bound
+        self.notes[key] = f"censored: more than {bound:g} {unit} ({why})" + (
+            f"; {self.notes[key]}" if key in self.notes else "")
+        listed = [k for k in self.notes.get("censored", "").split(", ") if k]
+        self.notes["censored"] = ", ".join([*listed, key]) if key not in listed else \
+            ", ".join(listed)
+
     def note(self, key: str, text: str) -> None:
         """Add to the note of ``key`` (several reasons may apply)."""
         self.notes[key] = f"{self.notes[key]}; {text}" if key in self.notes else text
+
+
+class MissingRpcs(RuntimeError):
+    """The target answered UNIMPLEMENTED for RPCs the scenario needs: it cannot be measured
+    (the runner exits non-zero naming them, never with figures that only look measured)."""
+
+    def __init__(self, scenario: str, rpcs: list[str]) -> None:
+        self.scenario = scenario
+        self.rpcs = sorted(set(rpcs))
+        super().__init__(f"{scenario} needs {', '.join(self.rpcs)}, which the target does not "
+                         "implement (answered UNIMPLEMENTED)")
 
 
 @dataclass(frozen=True)
