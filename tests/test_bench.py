@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH_FIGURES = {
     "place": {"placements_per_s", "apply_latency_p50_ms", "apply_latency_p99_ms",
               "decision_p99_ms", "etcd_txns_per_placement", "nodes_over_capacity", "rejected",
-              "scheduler_cpu_ms_per_placement", "scheduler_peak_rss_mib"},
+              "etcd_writes_per_placement", "scheduler_cpu_ms_per_placement",
+              "scheduler_peak_rss_mib"},
     "reconcile": {"cycle_time_p50_ms", "cycle_time_p99_ms", "agent_rpcs_per_cycle",
                   "etcd_writes_per_cycle", "heartbeat_etcd_writes_per_s", "scheduler_rss_mib",
                   "scheduler_peak_rss_mib"},
@@ -93,6 +94,9 @@ def test_place_contract_and_no_node_over_capacity():
     assert figures["apply_latency_p50_ms"] <= figures["apply_latency_p99_ms"]
     # the bench started the scheduler, so it knows its pid: CPU and memory are measured
     assert figures["scheduler_cpu_ms_per_placement"] > 0
+    # counted from the bench's own etcd watch: a spec and a status key per placement at least
+    assert figures["etcd_writes_per_placement"] >= 2, result["notes"]
+    assert "workload spec 1" in result["notes"]["etcd_writes_per_placement"]
     assert "of scheduler CPU" in result["notes"]["scheduler_cpu_ms_per_placement"]
     assert figures["scheduler_peak_rss_mib"] > 10
     assert elapsed < 60
@@ -375,6 +379,23 @@ def test_writes_are_grouped_by_prefix():
     assert key_group("/persys/scheduler/alive/n1") == "/persys/scheduler/alive/"
     assert key_group("/persys/scheduler/initialized") == "/persys/scheduler/initialized"
     assert key_group("/t/abc/workloads-status/w1", "/t/abc") == "/workloads-status/"
+
+
+def test_writes_fall_into_the_same_categories_for_every_target():
+    from collections import Counter
+
+    from ops.benchlib.etcdwatch import describe_categories, write_category
+
+    assert write_category(key_group("/nodes/n1/status")) == "node"
+    assert write_category(key_group("/persys/scheduler/alive/n1")) == "node"
+    assert write_category(key_group("/workloads-spec/w1")) == "workload spec"
+    assert write_category(key_group("/workloads/w1")) == "workload spec"  # Go's legacy key
+    assert write_category(key_group("/workloads-status/w1")) == "workload status"
+    assert write_category(key_group("/retries/w1")) == "retry"
+    assert write_category(key_group("/allocations/n1")) == "other"
+    text = describe_categories(Counter({"/nodes/": 4, "/allocations/": 2}), 2)
+    assert text == ("node 2, workload spec 0, workload status 0, retry 0, "
+                    "other 1 (/allocations/ 1)")
 
 
 @pytest.mark.parametrize("command", ["serve", "dev", "sim", "bench", "replay",

@@ -24,7 +24,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ops.benchlib.etcdwatch import WriteCounter, count_prefix
+from ops.benchlib.etcdwatch import (
+    WriteCounter,
+    count_prefix,
+    describe_categories,
+    write_category,
+)
 from ops.benchlib.procs import CpuMeter, rss_mib
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import percentile
@@ -379,7 +384,11 @@ def _write_rate(out: Outcome, watch: WriteCounter | None, window_s: float,
         return
     if watch.error:
         out.note(key, watch.error)
-    out.figures[key] = round(watch.writes / window_s, 3) if window_s > 0 else None
+    nodes = sum(n for g, n in watch.by_group.items() if write_category(g) == "node")
+    out.figures[key] = round(nodes / window_s, 3) if window_s > 0 else None
+    if window_s > 0:
+        out.note(key, "writes to node keys (the node category) per second; every category "
+                 "per second: " + describe_categories(watch.by_group, window_s, "/s"))
     beats = int((stats1.get("control") or {}).get("heartbeats_ok", 0)) - int(
         (stats0.get("control") or {}).get("heartbeats_ok", 0))
     groups = _fmt(dict(watch.by_group))
