@@ -29,10 +29,12 @@ import json
 import math
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from handlers.app.eventloop import run as run_loop
 from ops.benchlib.clients import ApiClients
+from ops.benchlib.profile import Profiler
 from ops.benchlib.registry import SCENARIOS
 from ops.benchlib.scenario import PEAK_RSS, BenchContext, MissingRpcs, Outcome, Scenario
 from ops.benchlib.stack import (
@@ -145,6 +147,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--keep", action="store_true",
                        help="keep the run's directory (logs, etcd and Redis data); a run whose "
                             "start failed keeps it anyway, an interrupted one removes it")
+    stack.add_argument("--profile", default="", metavar="DIR",
+                       help="sample every scheduler process with py-spy (pip install py-spy) "
+                            "while the scenario runs; raw stacks go to DIR, the busiest "
+                            "functions to notes['profile']")
     target = parser.add_argument_group("an existing target (the bench then starts only the fleet)")
     target.add_argument("--scheduler", type=_addresses, default=None, metavar="HOST:PORT[,...]",
                         help="gRPC address(es) of a running persys-compatible scheduler on this "
@@ -222,6 +228,7 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
     prefix = run_prefix()
     stack = Stack(_stack_options(args, scenario, run=prefix))
     api: ApiClients | None = None
+    profiler: Profiler | None = None
     try:
         print(f"bench: starting {scenario.name}: {args.nodes} nodes, "
               f"{stack.options.replicas} replica(s)"
@@ -230,7 +237,15 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
         await stack.start()
         api = ApiClients(stack.grpc_addrs)
         ctx = BenchContext(args=args, stack=stack, api=api, prefix=prefix)
-        outcome = await scenario.run(ctx)
+        if args.profile:
+            profiler = Profiler(Path(args.profile), stack.scheduler_pids)
+            profiler.start()
+        try:
+            outcome = await scenario.run(ctx)
+        finally:
+            profiled = profiler.stop() if profiler is not None else ""
+        if profiled:
+            outcome.notes["profile"] = profiled
         if PEAK_RSS in scenario.figures and outcome.figures.get(PEAK_RSS) is None:
             ctx.peak_rss.fill(outcome, stack.scheduler_pids)
         if stack.options.external and not stack.options.metrics_addrs:

@@ -589,6 +589,30 @@ def test_a_churn_recovery_that_never_ends_is_reported_censored(go_standin):
     assert "--scheduler-pid" in notes["scheduler_peak_rss_mib"]
 
 
+def test_a_py_spy_profile_is_summed_by_own_and_inclusive_samples():
+    from ops.benchlib.profile import summarize
+
+    total, own, inclusive = summarize("main;loop;decide 6\nmain;loop;commit 3\nmain;gc 1\n"
+                                      "garbage line\n", top=2)
+    assert total == 10
+    assert own == [("decide", 6), ("commit", 3)]
+    assert inclusive == [("main", 10), ("loop", 9)]
+
+
+@pytest.mark.timeout(120)
+def test_place_with_a_profile_names_the_scheduler_functions(tmp_path):
+    from ops.benchlib.profile import py_spy
+
+    if py_spy() is None:
+        pytest.skip("py-spy is not installed (pip install py-spy)")
+    result, _ = run_bench("place", *FAST, "--clients", "4", "--workloads", "100",
+                          "--profile", str(tmp_path))
+    note = result["notes"]["profile"]
+    assert "scheduler-0: " in note, note
+    assert "most own samples" in note, note
+    assert list(tmp_path.glob("scheduler-0-*.txt")), note
+
+
 def test_the_benchmark_contract_is_in_the_repository(capsys) -> None:
     # bench --help and operations.md pointed to BENCH.md "in the design notes", which users
     # do not have: docs/benchmark.md names every scenario, figure and option

@@ -88,7 +88,7 @@ def count_prefix(etcd_url: str, prefix: str, *, timeout: float = 10.0) -> int:
     return int(reply.get("count", 0)) if isinstance(reply, dict) else 0
 
 
-def _event_type(value: bytes) -> str:
+def event_type(value: bytes) -> str:
     """The ``type`` of a JSON event record, or "?" when the value is not one."""
     try:
         decoded = json.loads(value)
@@ -162,7 +162,7 @@ class WriteCounter:
         group = key_group(key, self.root)
         self.by_group[group] += 1
         if not event.deleted and ("outbox" in group or "events" in group):
-            self.event_types[_event_type(event.kv.value)] += 1
+            self.event_types[event_type(event.kv.value)] += 1
         if self.on_event is not None:
             self.on_event(event)
 

@@ -28,7 +28,7 @@ from collections import Counter
 from typing import Any
 
 from eventsource.watch import WatchEvent
-from ops.benchlib.etcdwatch import WriteCounter, key_group
+from ops.benchlib.etcdwatch import WriteCounter, event_type, key_group
 from ops.benchlib.httpget import HttpError, get_json, http_get
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import percentile
@@ -112,6 +112,7 @@ async def _paused_round(ctx: BenchContext, leader: int, before: dict[int, float]
             for i in others:
                 _signal(ctx, i, signal.SIGSTOP)
             try:
+                counted = sum(tally.counted.values())
                 tally.begin(await _revision(ctx))
                 _signal(ctx, leader, signal.SIGCONT)
                 await asyncio.sleep(window)
@@ -122,6 +123,10 @@ async def _paused_round(ctx: BenchContext, leader: int, before: dict[int, float]
         finally:
             _signal(ctx, leader, signal.SIGCONT)  # whatever failed, never leave it stopped
         await watch.stop()
+        stale = sum(tally.counted.values()) - counted
+        if stale:
+            ctx.log(f"failover: round {round_ + 1}: the resumed scheduler-{leader} wrote {stale} "
+                    "key(s) while it ran alone")
     finally:
         await watch.close()
     if watch.error:
@@ -139,6 +144,8 @@ class _Stale:
         self.counted: Counter[str] = Counter()
         self.leased: Counter[str] = Counter()
         self.keys: list[str] = []
+        #: event records (outbox puts) among the counted writes, by type
+        self.event_types: Counter[str] = Counter()
         self.windows: list[float] = []
         self.errors: list[str] = []
 
@@ -159,6 +166,8 @@ class _Stale:
             self.leased[group] += 1
             return
         self.counted[group] += 1
+        if "outbox" in group and not event.deleted:
+            self.event_types[event_type(event.kv.value)] += 1
         if len(self.keys) < 5:
             self.keys.append(("delete " if event.deleted else "put ") + event.kv.key)
 
@@ -230,6 +239,9 @@ def _stale_figure(out: Outcome, tally: _Stale) -> None:
         out.note(key, "counted, by key group: " + ", ".join(
             f"{g} {n}" for g, n in tally.counted.most_common())
             + "; first: " + ", ".join(tally.keys))
+    if tally.event_types:
+        out.note(key, "event records among them, by type: " + ", ".join(
+            f"{t} {n}" for t, n in tally.event_types.most_common()))
 
 
 SCENARIO = Scenario(name="failover", summary="kill -9 (or SIGSTOP: --fault pause) the leader; "
