@@ -544,6 +544,13 @@ def test_events_against_a_scheduler_without_the_event_rpcs_exits_non_zero_naming
     assert "events needs SetNodeLabel, WatchEvents, which the target does not implement" \
         in proc.stderr
     assert "events_lost" not in proc.stdout  # no figure that only looks measured
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "bench", "pending", "--nodes", "3", "--workloads", "2",
+         "--scheduler", grpc_addr, "--metrics", metrics_addr, "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "pending needs ListEvents, WatchEvents, which the target does not implement" \
+        in proc.stderr
 
 
 @pytest.mark.timeout(150)
@@ -587,6 +594,39 @@ def test_a_churn_recovery_that_never_ends_is_reported_censored(go_standin):
     # no --scheduler-pid: the memory figure is null and says why
     assert figures["scheduler_peak_rss_mib"] is None
     assert "--scheduler-pid" in notes["scheduler_peak_rss_mib"]
+
+
+def test_the_stale_write_tally_counts_only_the_resumed_leaders_own_writes_in_its_window():
+    """The negative control of stale_leader_writes: a write inside the window is counted; what
+    any standby writes for itself, and anything outside the window, is not."""
+    from eventsource.etcd import KeyValue
+    from eventsource.watch import WatchEvent
+    from ops.benchlib.failover import _Stale
+
+    def put(key: str, rev: int, value: bytes = b"{}", lease: int = 0) -> WatchEvent:
+        return WatchEvent(kv=KeyValue(key=key, value=value, create_revision=rev,
+                                      mod_revision=rev, version=1, lease=lease), deleted=False)
+
+    tally = _Stale("/r")
+    tally.seen(put("/r/workloads-status/w1", 5))  # before any window
+    tally.begin(10)
+    tally.seen(put("/r/workloads-status/w1", 10))  # at the window's start: not after it
+    tally.seen(put("/r/workloads-status/w1", 11))  # the resumed leader's: counted
+    tally.seen(WatchEvent(kv=KeyValue(key="/r/retries/w2", value=b"", create_revision=0,
+                                      mod_revision=12, version=0), deleted=True))
+    tally.seen(put("/r/persys/scheduler/leader/abc", 13, lease=7))  # a new campaign key
+    tally.seen(put("/r/persys/scheduler/outbox/e1", 14,
+                   b'{"type":"SchedulerModeChanged","details":{"from":"normal",'
+                   b'"to":"degraded"}}'))
+    tally.seen(put("/r/persys/scheduler/outbox/e2", 15, b'{"type":"WorkloadScheduled"}'))
+    tally.end(15)
+    tally.seen(put("/r/workloads-status/w1", 16))  # after the window: the others run again
+    assert sum(tally.counted.values()) == 3
+    assert tally.counted == {"/workloads-status/": 1, "/retries/": 1,
+                             "/persys/scheduler/outbox/": 1}
+    assert tally.event_types == {"WorkloadScheduled": 1}
+    assert tally.leased == {"/persys/scheduler/leader/": 1}
+    assert tally.per_replica == {"SchedulerModeChanged normal -> degraded": 1}
 
 
 def test_a_py_spy_profile_is_summed_by_own_and_inclusive_samples():

@@ -10,8 +10,9 @@ With ``--fault pause`` the leader is SIGSTOPped instead and stays stopped past i
 standby leads and has reconciled, every other replica is SIGSTOPped for a quarter of the lease
 TTL (shorter than their lease, so the successor keeps leading) and the old leader is resumed
 alone: every etcd write the bench's own watch sees in that revision window is the old leader's,
-and is counted as ``stale_leader_writes`` (its new campaign key under the election prefix, what
-any standby writes, is not). The others are then resumed; the old leader stays as a standby.
+and is counted as ``stale_leader_writes``, except what any standby writes for itself: puts under
+a live lease (campaign keys, its DNS records) and its mode supervisor's SchedulerModeChanged.
+The others are then resumed; the old leader stays as a standby.
 
 ``double_applies`` is what the simulated agents counted: applies carrying an
 ``x-persys-leader-term`` older than the newest term they had already seen. With ``--fault kill``
@@ -21,6 +22,7 @@ any standby writes, is not). The others are then resumed; the old leader stays a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -38,8 +40,9 @@ from ops.devstack.etcdapi import etcd_revision
 FIGURES = ("kills", "failover_p50_s", "failover_p99_s", "stale_leader_writes", "double_applies",
            PEAK_RSS)
 CYCLES = "persys_scheduler_reconcile_cycles_total"
-#: key group of the leader election keys (``ops.benchlib.etcdwatch.key_group``)
-ELECTION = "/persys/scheduler/leader"
+#: Event records every replica writes for itself, leader or not (docs/events.md): the mode
+#: supervisor probes etcd on every replica and records its own mode changes.
+PER_REPLICA_EVENTS = frozenset({"SchedulerModeChanged"})
 POLL_S = 0.02
 
 
@@ -135,6 +138,16 @@ async def _paused_round(ctx: BenchContext, leader: int, before: dict[int, float]
     return elapsed, successor
 
 
+def _describe_event(kind: str, value: bytes) -> str:
+    try:
+        details = json.loads(value).get("details") or {}
+    except (ValueError, AttributeError):
+        return kind
+    if not isinstance(details, dict) or "from" not in details:
+        return kind
+    return f"{kind} {details.get('from')} -> {details.get('to')}"
+
+
 class _Stale:
     """Writes inside the windows where only a resumed old leader ran, by key group."""
 
@@ -146,6 +159,8 @@ class _Stale:
         self.keys: list[str] = []
         #: event records (outbox puts) among the counted writes, by type
         self.event_types: Counter[str] = Counter()
+        #: event records of PER_REPLICA_EVENTS (not counted), with their from -> to
+        self.per_replica: Counter[str] = Counter()
         self.windows: list[float] = []
         self.errors: list[str] = []
 
@@ -165,9 +180,13 @@ class _Stale:
             # leadership: a new session's campaign keys and per-replica records (DNS)
             self.leased[group] += 1
             return
-        self.counted[group] += 1
         if "outbox" in group and not event.deleted:
-            self.event_types[event_type(event.kv.value)] += 1
+            kind = event_type(event.kv.value)
+            if kind in PER_REPLICA_EVENTS:
+                self.per_replica[_describe_event(kind, event.kv.value)] += 1
+                return
+            self.event_types[kind] += 1
+        self.counted[group] += 1
         if len(self.keys) < 5:
             self.keys.append(("delete " if event.deleted else "put ") + event.kv.key)
 
@@ -234,7 +253,10 @@ def _stale_figure(out: Outcome, tally: _Stale) -> None:
              "window is its own. Not counted: puts attached to a lease, which etcd accepts "
              "only under a live lease, so not under the old leadership's expired one (a new "
              "session's campaign keys, per-replica DNS records): "
-             + (", ".join(f"{g} {n}" for g, n in tally.leased.most_common()) or "none"))
+             + (", ".join(f"{g} {n}" for g, n in tally.leased.most_common()) or "none")
+             + "; nor event records of an emitter every replica runs for itself, leader or "
+             "not (" + ", ".join(sorted(PER_REPLICA_EVENTS)) + ", the mode supervisor's): "
+             + (", ".join(f"{k} {n}" for k, n in tally.per_replica.most_common()) or "none"))
     if tally.counted:
         out.note(key, "counted, by key group: " + ", ".join(
             f"{g} {n}" for g, n in tally.counted.most_common())

@@ -15,6 +15,7 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -22,6 +23,7 @@ from ops.benchlib.clients import ApiClients, ApplyReport
 from ops.benchlib.procs import CpuMeter, peak_rss_mib
 from ops.benchlib.stack import Stack
 from ops.benchlib.workloads import apply_requests
+from proto.persys.control.v1 import control_pb2
 
 Figure = float | int | None
 
@@ -74,6 +76,30 @@ class MissingRpcs(RuntimeError):
         self.rpcs = sorted(set(rpcs))
         super().__init__(f"{scenario} needs {', '.join(self.rpcs)}, which the target does not "
                          "implement (answered UNIMPLEMENTED)")
+
+
+async def require_event_rpcs(scenario: str, stub: Any) -> None:
+    """Raise MissingRpcs when the target answers ListEvents or WatchEvents UNIMPLEMENTED
+    (read-only probes: the newest event, and a watch held open for a second)."""
+    missing: list[str] = []
+    try:
+        await stub.ListEvents(control_pb2.ListEventsRequest(limit=1), timeout=30)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            missing.append("ListEvents")
+    call = stub.WatchEvents(control_pb2.WatchEventsRequest(node_id="bench-probe"))
+    try:
+        async with asyncio.timeout(1.0):
+            await call.read()
+    except TimeoutError:
+        pass  # open and quiet: implemented
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            missing.append("WatchEvents")
+    finally:
+        call.cancel()
+    if missing:
+        raise MissingRpcs(scenario, missing)
 
 
 @dataclass(frozen=True)
