@@ -169,6 +169,20 @@ def test_failover_with_a_paused_leader_counts_its_writes_after_the_takeover():
     assert elapsed < 120
 
 
+@pytest.mark.timeout(150)
+def test_failover_with_a_killed_leader_says_why_it_cannot_count_stale_writes():
+    result, _ = run_bench("failover", "--nodes", "5", "--workloads", "20",
+                          "--heartbeat-interval", "1", "--reconcile-interval", "1",
+                          "--lease-ttl", "3", "--kills", "1", limit_s=120)
+    figures, notes = result["figures"], result["notes"]
+    assert figures["kills"] == 1
+    assert figures["stale_leader_writes"] is None
+    assert "a SIGKILLed leader cannot write" in notes["stale_leader_writes"]
+    assert "--fault pause" in notes["stale_leader_writes"]
+    assert figures["double_applies"] == 0
+    assert figures["scheduler_peak_rss_mib"] > 10
+
+
 @pytest.mark.timeout(120)
 def test_churn_contract():
     result, elapsed = run_bench("churn", *FAST, "--recovery-timeout", "15")
