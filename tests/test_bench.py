@@ -629,6 +629,9 @@ def test_the_stale_write_tally_counts_only_the_resumed_leaders_own_writes_in_its
     tally.seen(WatchEvent(kv=KeyValue(key="/r/retries/w2", value=b"", create_revision=0,
                                       mod_revision=12, version=0), deleted=True))
     tally.seen(put("/r/persys/scheduler/leader/abc", 13, lease=7))  # a new campaign key
+    tally.seen(WatchEvent(kv=KeyValue(key="/r/skydns/local/persys/x/bench-0", value=b"",
+                                      create_revision=0, mod_revision=13, version=0),
+                          deleted=True))  # its own DNS record, withdrawn
     tally.seen(put("/r/persys/scheduler/outbox/e1", 14,
                    b'{"type":"SchedulerModeChanged","details":{"from":"normal",'
                    b'"to":"degraded"}}'))
@@ -639,7 +642,7 @@ def test_the_stale_write_tally_counts_only_the_resumed_leaders_own_writes_in_its
     assert tally.counted == {"/workloads-status/": 1, "/retries/": 1,
                              "/persys/scheduler/outbox/": 1}
     assert tally.event_types == {"WorkloadScheduled": 1}
-    assert tally.leased == {"/persys/scheduler/leader/": 1}
+    assert tally.leased == {"/persys/scheduler/leader/": 1, "/skydns/ (deletes)": 1}
     assert tally.per_replica == {"SchedulerModeChanged normal -> degraded": 1}
 
 

@@ -43,6 +43,9 @@ CYCLES = "persys_scheduler_reconcile_cycles_total"
 #: Event records every replica writes for itself, leader or not (docs/events.md): the mode
 #: supervisor probes etcd on every replica and records its own mode changes.
 PER_REPLICA_EVENTS = frozenset({"SchedulerModeChanged"})
+#: Key groups of records each replica keeps for itself under its own instance id, leader or not:
+#: its CoreDNS (SkyDNS) records, which it deletes and writes again when its lease is lost.
+PER_REPLICA_GROUPS = ("/skydns/",)
 POLL_S = 0.02
 
 
@@ -175,6 +178,9 @@ class _Stale:
         if not self.low or rev <= self.low or (self.high and rev > self.high):
             return
         group = key_group(event.kv.key, self.root)
+        if group in PER_REPLICA_GROUPS:
+            self.leased[f"{group} ({'deletes' if event.deleted else 'puts'})"] += 1
+            return
         if not event.deleted and event.kv.lease:
             # attached to a lease alive at the write, so not the expired one of the old
             # leadership: a new session's campaign keys and per-replica records (DNS)
@@ -250,9 +256,10 @@ def _stale_figure(out: Outcome, tally: _Stale) -> None:
     out.note(key, f"etcd writes (the bench's own watch) made by the resumed old leader after "
              f"its successor led: in each round every other replica was stopped for "
              f"{window:g}s while the old leader ran alone, so every write of that revision "
-             "window is its own. Not counted: puts attached to a lease, which etcd accepts "
-             "only under a live lease, so not under the old leadership's expired one (a new "
-             "session's campaign keys, per-replica DNS records): "
+             "window is its own. Not counted: what a replica writes for itself, leader or not: "
+             "puts attached to a lease, which etcd accepts only under a live lease, so not "
+             "under the old leadership's expired one (a new session's campaign keys), and its "
+             "own DNS records (" + ", ".join(PER_REPLICA_GROUPS) + ", puts and deletes): "
              + (", ".join(f"{g} {n}" for g, n in tally.leased.most_common()) or "none")
              + "; nor event records of an emitter every replica runs for itself, leader or "
              "not (" + ", ".join(sorted(PER_REPLICA_EVENTS)) + ", the mode supervisor's): "
