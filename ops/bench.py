@@ -29,12 +29,14 @@ import json
 import math
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from handlers.app.eventloop import run as run_loop
 from ops.benchlib.clients import ApiClients
+from ops.benchlib.profile import Profiler
 from ops.benchlib.registry import SCENARIOS
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import PEAK_RSS, BenchContext, MissingRpcs, Outcome, Scenario
 from ops.benchlib.stack import (
     DEFAULT_NODE_PREFIX,
     NODES_PER_SIM_PROCESS,
@@ -117,6 +119,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                       help="failover: leader kills (default 3)")
     size.add_argument("--lease-ttl", type=_positive_int, default=15,
                       help="failover: leader lease TTL in seconds (default 15)")
+    size.add_argument("--fault", choices=("kill", "pause"), default="kill",
+                      help="failover: SIGKILL the leader and start it again (kill, default), or "
+                           "SIGSTOP it past its lease and resume it once a standby leads "
+                           "(pause: counts stale_leader_writes)")
     size.add_argument("--watchers", type=_positive_int, default=20,
                       help="events: WatchEvents clients (default 20)")
     size.add_argument("--rate", type=_positive_float, default=200.0,
@@ -141,6 +147,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--keep", action="store_true",
                        help="keep the run's directory (logs, etcd and Redis data); a run whose "
                             "start failed keeps it anyway, an interrupted one removes it")
+    stack.add_argument("--profile", default="", metavar="DIR",
+                       help="sample every scheduler process with py-spy (pip install py-spy) "
+                            "while the scenario runs; raw stacks go to DIR, the busiest "
+                            "functions to notes['profile']")
     target = parser.add_argument_group("an existing target (the bench then starts only the fleet)")
     target.add_argument("--scheduler", type=_addresses, default=None, metavar="HOST:PORT[,...]",
                         help="gRPC address(es) of a running persys-compatible scheduler on this "
@@ -218,6 +228,7 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
     prefix = run_prefix()
     stack = Stack(_stack_options(args, scenario, run=prefix))
     api: ApiClients | None = None
+    profiler: Profiler | None = None
     try:
         print(f"bench: starting {scenario.name}: {args.nodes} nodes, "
               f"{stack.options.replicas} replica(s)"
@@ -226,7 +237,17 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
         await stack.start()
         api = ApiClients(stack.grpc_addrs)
         ctx = BenchContext(args=args, stack=stack, api=api, prefix=prefix)
-        outcome = await scenario.run(ctx)
+        if args.profile:
+            profiler = Profiler(Path(args.profile), stack.scheduler_pids)
+            profiler.start()
+        try:
+            outcome = await scenario.run(ctx)
+        finally:
+            profiled = profiler.stop() if profiler is not None else ""
+        if profiled:
+            outcome.notes["profile"] = profiled
+        if PEAK_RSS in scenario.figures and outcome.figures.get(PEAK_RSS) is None:
+            ctx.peak_rss.fill(outcome, stack.scheduler_pids)
         if stack.options.external and not stack.options.metrics_addrs:
             outcome.notes.setdefault("metrics", "no --metrics given: scheduler-side figures null")
         return _check(outcome, scenario)
@@ -252,8 +273,10 @@ def render_table(result: dict[str, Any]) -> str:
     lines = [f"{result['scenario']}: {result['nodes']} nodes, {result['workloads']} workloads, "
              f"{result['replicas']} replica(s)"]
     width = max(len(k) for k in result["figures"])
+    censored = set(result["notes"].get("censored", "").split(", "))
     for key, value in result["figures"].items():
-        lines.append(f"  {key:<{width}}  {_format(value):>14}")
+        shown = ("> " if key in censored else "") + _format(value)
+        lines.append(f"  {key:<{width}}  {shown:>14}")
     if result["notes"]:
         lines.append("notes:")
         lines.extend(f"  {key}: {text}" for key, text in result["notes"].items())
@@ -261,7 +284,8 @@ def render_table(result: dict[str, Any]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run one scenario; 0 when it ran (whatever it measured), 1 on failure, 2 on misuse."""
+    """Run one scenario; 0 when it ran (whatever it measured), 1 on failure, 2 on misuse, 3
+    when the target lacks an RPC the scenario needs."""
     scenario = SCENARIOS[args.scenario]
     apply_defaults(args, scenario)
     if args.scheduler and scenario.kills_processes:
@@ -298,6 +322,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except (StackError, ServerStartError) as exc:
         print(f"persys-scheduler bench: the system under test failed: {exc}", file=sys.stderr)
         return 1
+    except MissingRpcs as exc:
+        print(f"persys-scheduler bench: {exc}; nothing was measured", file=sys.stderr)
+        return 3
     result = {
         "scenario": scenario.name,
         "nodes": args.nodes,

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -37,12 +38,18 @@ ROOT = Path(__file__).resolve().parent.parent
 #: docs/benchmark.md, "The scenarios and their figures" (exact keys).
 BENCH_FIGURES = {
     "place": {"placements_per_s", "apply_latency_p50_ms", "apply_latency_p99_ms",
-              "decision_p99_ms", "etcd_txns_per_placement", "nodes_over_capacity", "rejected"},
+              "decision_p99_ms", "etcd_txns_per_placement", "nodes_over_capacity", "rejected",
+              "etcd_writes_per_placement", "scheduler_cpu_ms_per_placement",
+              "scheduler_peak_rss_mib"},
     "reconcile": {"cycle_time_p50_ms", "cycle_time_p99_ms", "agent_rpcs_per_cycle",
-                  "etcd_writes_per_cycle", "heartbeat_etcd_writes_per_s", "scheduler_rss_mib"},
-    "churn": {"killed", "recovery_s", "agent_rpcs_during_recovery"},
+                  "etcd_writes_per_cycle", "heartbeat_etcd_writes_per_s", "scheduler_rss_mib",
+                  "scheduler_peak_rss_mib"},
+    "churn": {"killed", "recovery_s", "agent_rpcs_during_recovery", "scheduler_peak_rss_mib"},
     "events": {"events", "watchers", "event_latency_p50_ms", "event_latency_p99_ms",
-               "events_lost", "events_duplicated"},
+               "events_lost", "events_duplicated", "scheduler_cpu_ms_per_event",
+               "scheduler_peak_rss_mib"},
+    "failover": {"kills", "failover_p50_s", "failover_p99_s", "stale_leader_writes",
+                 "double_applies", "scheduler_peak_rss_mib"},
 }
 TOP_KEYS = {"scenario", "nodes", "workloads", "replicas", "figures", "notes"}
 #: Short intervals so that steady state, cycles and recovery happen within seconds.
@@ -85,6 +92,13 @@ def test_place_contract_and_no_node_over_capacity():
     assert figures["rejected"] == 0, result["notes"]
     assert figures["placements_per_s"] > 0
     assert figures["apply_latency_p50_ms"] <= figures["apply_latency_p99_ms"]
+    # the bench started the scheduler, so it knows its pid: CPU and memory are measured
+    assert figures["scheduler_cpu_ms_per_placement"] > 0
+    # counted from the bench's own etcd watch: a spec and a status key per placement at least
+    assert figures["etcd_writes_per_placement"] >= 2, result["notes"]
+    assert "workload spec 1" in result["notes"]["etcd_writes_per_placement"]
+    assert "of scheduler CPU" in result["notes"]["scheduler_cpu_ms_per_placement"]
+    assert figures["scheduler_peak_rss_mib"] > 10
     assert elapsed < 60
 
 
@@ -100,6 +114,8 @@ def test_events_contract_says_where_the_delivery_time_went():
     assert figures["watchers"] == 3
     assert figures["events_lost"] == 0
     assert figures["events_duplicated"] == 0
+    assert figures["scheduler_cpu_ms_per_event"] > 0
+    assert figures["scheduler_peak_rss_mib"] > 10
     assert re.search(r"SetNodeLabel as the client saw it .* p50 [\d.]+ p99 [\d.]+ ms",
                      notes["stages"])
     assert re.search(r"decision to stream append \(relay\) p50 [\d.]+ p99 [\d.]+ ms",
@@ -128,6 +144,43 @@ def test_reconcile_contract_with_the_fleet_in_two_processes():
     # one process's three nodes alone at most 3.5
     assert 4.0 < float(counted.group(1)) < 6.0, result["notes"]["agent_rpcs_per_cycle"]
     assert elapsed < 60
+
+
+@pytest.mark.timeout(180)
+def test_failover_with_a_paused_leader_counts_its_writes_after_the_takeover():
+    """--fault pause: the leader is SIGSTOPped past its lease, a standby takes over, the old
+    leader is resumed alone; the bench's etcd watch counts what it writes then (none) and the
+    agents count applies under an older term (none). With --fault kill the count is null with
+    its reason."""
+    result, elapsed = run_bench("failover", "--nodes", "5", "--workloads", "20",
+                                "--heartbeat-interval", "1", "--reconcile-interval", "1",
+                                "--lease-ttl", "3", "--kills", "2", "--fault", "pause",
+                                limit_s=120)
+    figures, notes = result["figures"], result["notes"]
+    assert set(figures) == BENCH_FIGURES["failover"]
+    assert result["replicas"] == 2
+    assert figures["kills"] == 2
+    assert figures["stale_leader_writes"] == 0, notes
+    assert figures["double_applies"] == 0
+    assert "resumed old leader" in notes["stale_leader_writes"]
+    # stopped past a 3 s lease: the takeover cannot be quicker than the lease's expiry
+    assert 1.0 < figures["failover_p50_s"] <= figures["failover_p99_s"] < 15, figures
+    assert figures["scheduler_peak_rss_mib"] > 10
+    assert elapsed < 120
+
+
+@pytest.mark.timeout(150)
+def test_failover_with_a_killed_leader_says_why_it_cannot_count_stale_writes():
+    result, _ = run_bench("failover", "--nodes", "5", "--workloads", "20",
+                          "--heartbeat-interval", "1", "--reconcile-interval", "1",
+                          "--lease-ttl", "3", "--kills", "1", limit_s=120)
+    figures, notes = result["figures"], result["notes"]
+    assert figures["kills"] == 1
+    assert figures["stale_leader_writes"] is None
+    assert "a SIGKILLed leader cannot write" in notes["stale_leader_writes"]
+    assert "--fault pause" in notes["stale_leader_writes"]
+    assert figures["double_applies"] == 0
+    assert figures["scheduler_peak_rss_mib"] > 10
 
 
 @pytest.mark.timeout(120)
@@ -342,6 +395,23 @@ def test_writes_are_grouped_by_prefix():
     assert key_group("/t/abc/workloads-status/w1", "/t/abc") == "/workloads-status/"
 
 
+def test_writes_fall_into_the_same_categories_for_every_target():
+    from collections import Counter
+
+    from ops.benchlib.etcdwatch import describe_categories, write_category
+
+    assert write_category(key_group("/nodes/n1/status")) == "node"
+    assert write_category(key_group("/persys/scheduler/alive/n1")) == "node"
+    assert write_category(key_group("/workloads-spec/w1")) == "workload spec"
+    assert write_category(key_group("/workloads/w1")) == "workload spec"  # Go's legacy key
+    assert write_category(key_group("/workloads-status/w1")) == "workload status"
+    assert write_category(key_group("/retries/w1")) == "retry"
+    assert write_category(key_group("/allocations/n1")) == "other"
+    text = describe_categories(Counter({"/nodes/": 4, "/allocations/": 2}), 2)
+    assert text == ("node 2, workload spec 0, workload status 0, retry 0, "
+                    "other 1 (/allocations/ 1)")
+
+
 @pytest.mark.parametrize("command", ["serve", "dev", "sim", "bench", "replay",
                                      "confirm-empty-state"])
 def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -435,6 +505,169 @@ def test_a_bench_against_a_dev_stack_brings_its_own_nodes(tmp_path):
         if dev.poll() is None:
             dev.kill()
             dev.wait()
+
+
+@pytest.fixture
+def go_standin():
+    """The stand-in of tests/fixtures/go_standin.py (older RPC set, Go metric names only),
+    started as its own process; yields (grpc address, metrics address, pid)."""
+    from ops.devstack.process import free_port
+
+    def start(*extra: str):
+        grpc_port, metrics_port = free_port(), free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fixtures.go_standin", "--grpc-port", str(grpc_port),
+             "--metrics-port", str(metrics_port), *extra],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        started.append(proc)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                            timeout=1):
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline, "the stand-in did not start"
+                time.sleep(0.1)
+        return f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}", proc.pid
+
+    started: list[subprocess.Popen] = []
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_events_against_a_scheduler_without_the_event_rpcs_exits_non_zero_naming_them(
+        go_standin):
+    grpc_addr, metrics_addr, _ = go_standin()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "bench", "events", "--nodes", "3", "--watchers", "2",
+         "--rate", "10", "--scheduler", grpc_addr, "--metrics", metrics_addr, "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "events needs SetNodeLabel, WatchEvents, which the target does not implement" \
+        in proc.stderr
+    assert "events_lost" not in proc.stdout  # no figure that only looks measured
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "bench", "pending", "--nodes", "3", "--workloads", "2",
+         "--scheduler", grpc_addr, "--metrics", metrics_addr, "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert "pending needs ListEvents, WatchEvents, which the target does not implement" \
+        in proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_reconcile_against_the_go_names_waits_for_a_slow_first_cycle(go_standin):
+    # the first cycle ends 25 s after the start, later than the two intervals + 10 s the
+    # bench used to wait before it gave every cycle figure up as null
+    grpc_addr, metrics_addr, pid = go_standin("--first-cycle-delay", "25")
+    result, _ = run_bench("reconcile", "--nodes", "3", "--workloads", "6", "--cycles", "2",
+                          "--heartbeat-interval", "1", "--reconcile-interval", "1",
+                          "--scheduler", grpc_addr, "--metrics", metrics_addr,
+                          "--scheduler-pid", str(pid), limit_s=120)
+    figures, notes = result["figures"], result["notes"]
+    assert figures["cycle_time_p50_ms"] is not None, notes
+    assert figures["cycle_time_p99_ms"] >= figures["cycle_time_p50_ms"]
+    # the stand-in lists each of the 3 agents once per cycle
+    assert figures["agent_rpcs_per_cycle"] == pytest.approx(3, abs=0.5), notes
+    assert figures["etcd_writes_per_cycle"] == 0
+    assert "persys_scheduler_reconciliation_cycles_total" in notes["metrics"]
+    assert "the Go scheduler's names" in notes["metrics"]
+    assert "censored" not in notes
+    # its pid was given: memory is measured for another scheduler too
+    assert figures["scheduler_rss_mib"] > 0
+    assert figures["scheduler_peak_rss_mib"] >= figures["scheduler_rss_mib"] - 0.5
+    # no --etcd: the figure counted from etcd says so
+    assert figures["heartbeat_etcd_writes_per_s"] is None
+    assert "--etcd" in notes["heartbeat_etcd_writes_per_s"]
+
+
+@pytest.mark.timeout(120)
+def test_a_churn_recovery_that_never_ends_is_reported_censored(go_standin):
+    grpc_addr, metrics_addr, _ = go_standin()  # it never re-applies a vanished workload
+    result, _ = run_bench("churn", "--nodes", "3", "--workloads", "6",
+                          "--heartbeat-interval", "1", "--reconcile-interval", "1",
+                          "--reapply-guard", "1", "--recovery-timeout", "5",
+                          "--scheduler", grpc_addr, "--metrics", metrics_addr)
+    figures, notes = result["figures"], result["notes"]
+    assert figures["killed"] >= 1
+    assert figures["recovery_s"] >= 5.0
+    assert notes["recovery_s"].startswith("censored: more than 5")
+    assert notes["censored"] == "recovery_s"
+    # no --scheduler-pid: the memory figure is null and says why
+    assert figures["scheduler_peak_rss_mib"] is None
+    assert "--scheduler-pid" in notes["scheduler_peak_rss_mib"]
+
+
+def test_the_stale_write_tally_counts_only_the_resumed_leaders_own_writes_in_its_window():
+    """The negative control of stale_leader_writes: a write inside the window is counted; what
+    any standby writes for itself, and anything outside the window, is not."""
+    from eventsource.etcd import KeyValue
+    from eventsource.watch import WatchEvent
+    from ops.benchlib.failover import _Stale
+
+    def put(key: str, rev: int, value: bytes = b"{}", lease: int = 0) -> WatchEvent:
+        return WatchEvent(kv=KeyValue(key=key, value=value, create_revision=rev,
+                                      mod_revision=rev, version=1, lease=lease), deleted=False)
+
+    tally = _Stale("/r")
+    tally.seen(put("/r/workloads-status/w1", 5))  # before any window
+    tally.begin(10)
+    tally.seen(put("/r/workloads-status/w1", 10))  # at the window's start: not after it
+    tally.seen(put("/r/workloads-status/w1", 11))  # the resumed leader's: counted
+    tally.seen(WatchEvent(kv=KeyValue(key="/r/retries/w2", value=b"", create_revision=0,
+                                      mod_revision=12, version=0), deleted=True))
+    tally.seen(put("/r/persys/scheduler/leader/abc", 13, lease=7))  # a new campaign key
+    tally.seen(WatchEvent(kv=KeyValue(key="/r/skydns/local/persys/x/bench-0", value=b"",
+                                      create_revision=0, mod_revision=13, version=0),
+                          deleted=True))  # its own DNS record, withdrawn
+    tally.seen(put("/r/persys/scheduler/outbox/e1", 14,
+                   b'{"type":"SchedulerModeChanged","details":{"from":"normal",'
+                   b'"to":"degraded"}}'))
+    tally.seen(put("/r/persys/scheduler/outbox/e2", 15, b'{"type":"WorkloadScheduled"}'))
+    tally.end(15)
+    tally.seen(put("/r/workloads-status/w1", 16))  # after the window: the others run again
+    assert sum(tally.counted.values()) == 3
+    assert tally.counted == {"/workloads-status/": 1, "/retries/": 1,
+                             "/persys/scheduler/outbox/": 1}
+    assert tally.event_types == {"WorkloadScheduled": 1}
+    assert tally.leased == {"/persys/scheduler/leader/": 1, "/skydns/ (deletes)": 1}
+    assert tally.per_replica == {"SchedulerModeChanged normal -> degraded": 1}
+
+
+def test_a_py_spy_profile_is_summed_by_own_and_inclusive_samples():
+    from ops.benchlib.profile import summarize
+
+    total, own, inclusive = summarize("main;loop;decide 6\nmain;loop;commit 3\nmain;gc 1\n"
+                                      "garbage line\n", top=2)
+    assert total == 10
+    assert own == [("decide", 6), ("commit", 3)]
+    assert inclusive == [("main", 10), ("loop", 9)]
+
+
+@pytest.mark.timeout(120)
+def test_place_with_a_profile_names_the_scheduler_functions(tmp_path):
+    from ops.benchlib.profile import py_spy
+
+    if py_spy() is None:
+        pytest.skip("py-spy is not installed (pip install py-spy)")
+    result, _ = run_bench("place", *FAST, "--clients", "4", "--workloads", "100",
+                          "--profile", str(tmp_path))
+    note = result["notes"]["profile"]
+    assert "scheduler-0: " in note, note
+    assert "most own samples" in note, note
+    assert list(tmp_path.glob("scheduler-0-*.txt")), note
 
 
 def test_the_benchmark_contract_is_in_the_repository(capsys) -> None:

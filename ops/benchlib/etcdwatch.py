@@ -38,6 +38,41 @@ def key_group(key: str, root: str = "") -> str:
     return path
 
 
+#: Write categories by key group, the same for every target (the Go layout, which this
+#: implementation keeps): what a write was for, whoever made it.
+CATEGORIES = (
+    ("node", ("/nodes/", "/persys/scheduler/alive/")),
+    ("workload spec", ("/workloads-spec/", "/workloads/")),
+    ("workload status", ("/workloads-status/",)),
+    ("retry", ("/retries/",)),
+)
+
+
+def write_category(group: str) -> str:
+    """node, workload spec, workload status, retry, or other (of a ``key_group``)."""
+    for name, groups in CATEGORIES:
+        if group in groups:
+            return name
+    return "other"
+
+
+def describe_categories(by_group: Counter[str], per: float = 1.0, unit: str = "") -> str:
+    """``"node 3, workload status 2, other 1 (/allocations/ 1)"``, each count divided by
+    ``per`` (placements, seconds ...), every category named even when 0."""
+    totals: Counter[str] = Counter()
+    others: Counter[str] = Counter()
+    for group, n in by_group.items():
+        category = write_category(group)
+        totals[category] += n
+        if category == "other":
+            others[group] += n
+    parts = [f"{name} {totals[name] / per:.3g}{unit}" for name, _ in CATEGORIES]
+    other = f"other {totals['other'] / per:.3g}{unit}"
+    if others:
+        other += " (" + ", ".join(f"{g} {n / per:.3g}" for g, n in others.most_common()) + ")"
+    return ", ".join([*parts, other])
+
+
 def count_prefix(etcd_url: str, prefix: str, *, timeout: float = 10.0) -> int:
     """How many keys start with ``prefix`` (a count-only range; blocking, use a thread)."""
     end = prefix_end(prefix.encode())
@@ -53,7 +88,7 @@ def count_prefix(etcd_url: str, prefix: str, *, timeout: float = 10.0) -> int:
     return int(reply.get("count", 0)) if isinstance(reply, dict) else 0
 
 
-def _event_type(value: bytes) -> str:
+def event_type(value: bytes) -> str:
     """The ``type`` of a JSON event record, or "?" when the value is not one."""
     try:
         decoded = json.loads(value)
@@ -127,7 +162,7 @@ class WriteCounter:
         group = key_group(key, self.root)
         self.by_group[group] += 1
         if not event.deleted and ("outbox" in group or "events" in group):
-            self.event_types[_event_type(event.kv.value)] += 1
+            self.event_types[event_type(event.kv.value)] += 1
         if self.on_event is not None:
             self.on_event(event)
 

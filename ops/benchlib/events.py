@@ -23,12 +23,19 @@ import grpc
 
 from ops.benchlib.procs import CpuMeter
 from ops.benchlib.quantiles import percentile
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import (
+    PEAK_RSS,
+    BenchContext,
+    MissingRpcs,
+    Outcome,
+    Scenario,
+    scheduler_cpu_ms_per,
+)
 from ops.benchlib.stages import describe_stages, describe_storage
 from proto.persys.control.v1 import control_pb2
 
 FIGURES = ("events", "watchers", "event_latency_p50_ms", "event_latency_p99_ms",
-           "events_lost", "events_duplicated")
+           "events_lost", "events_duplicated", "scheduler_cpu_ms_per_event", PEAK_RSS)
 DURATION_S = 10.0
 DRAIN_S = 10.0
 
@@ -46,6 +53,7 @@ async def run(ctx: BenchContext) -> Outcome:
     ready = 0
     watch_calls: list[Any] = []
     all_in = asyncio.Event()
+    unimplemented: set[str] = set()
 
     async def watch(index: int, node_id: str) -> None:
         nonlocal ready
@@ -67,11 +75,24 @@ async def run(ctx: BenchContext) -> Outcome:
                 if sent and len(received) >= len(sent):
                     all_in.set()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                unimplemented.add("WatchEvents")
+            elif exc.code() != grpc.StatusCode.CANCELLED:
                 ctx.log(f"events: watcher {node_id} ended: {exc.code().name} {exc.details()}")
 
     watchers = [asyncio.create_task(watch(i, n)) for i, n in enumerate(node_ids)]
     await asyncio.sleep(1.0)  # let every watcher subscribe before the first tagged event
+    try:  # an untagged label (no watcher counts it): does the target implement SetNodeLabel?
+        await stubs[0].SetNodeLabel(control_pb2.SetNodeLabelRequest(
+            node_id=node_ids[0], key="bench-probe", value="probe"), timeout=30.0)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            unimplemented.add("SetNodeLabel")
+    if unimplemented:
+        for call in watch_calls:
+            call.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        raise MissingRpcs("events", sorted(unimplemented))
     rate = float(ctx.args.rate)
     total = int(rate * DURATION_S)
     sent: list[str] = []
@@ -133,6 +154,9 @@ async def run(ctx: BenchContext) -> Outcome:
     out.figures["events_duplicated"] = sum(len(v) - 1 for v in received.values() if len(v) > 1)
     out.notes["rate"] = f"asked {rate:g}/s, sent {achieved:.0f}/s (SetNodeLabel answered)"
     out.notes["cpu"] = f"while sending and draining: {cpu.describe()}"
+    delivered = sum(len(v) for v in received.values())
+    scheduler_cpu_ms_per(out, "scheduler_cpu_ms_per_event", cpu, delivered,
+                         "tagged events delivered to watchers")
     out.notes["stages"] = describe_stages(call_latencies, scraped_before, scraped_after)
     storage = describe_storage(etcd_before, etcd_after, str(ctx.stack.workdir))
     if storage is not None:

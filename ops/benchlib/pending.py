@@ -23,7 +23,13 @@ from collections.abc import Iterator
 
 from ops.benchlib.procs import CpuMeter
 from ops.benchlib.quantiles import percentile
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import (
+    PEAK_RSS,
+    BenchContext,
+    Outcome,
+    Scenario,
+    require_event_rpcs,
+)
 from ops.benchlib.workloads import IMAGE, workload_id
 from proto.persys.control.v1 import control_pb2
 
@@ -34,6 +40,7 @@ FIGURES = (
     "pending_stored",
     "placed_from_pending",
     "nodes_over_capacity",
+    PEAK_RSS,
 )
 SLOT_CPU_M = 4000
 SLOT_MEM_MB = 1024
@@ -70,6 +77,7 @@ async def run(ctx: BenchContext) -> Outcome:
     fill = args.nodes * SLOTS_PER_NODE
     pending = args.workloads
     stub = ctx.api.stubs[0]
+    await require_event_rpcs("pending", stub)
     ctx.log(f"fill: {fill} workloads of {SLOT_CPU_M}m on {args.nodes} nodes")
     report = await ctx.api.apply_all(_requests(ctx.prefix, 0, fill), concurrency=args.clients,
                                      total=fill, label="fill")

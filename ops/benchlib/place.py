@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import asyncio
 
+from ops.benchlib.etcdwatch import WriteCounter, describe_categories
 from ops.benchlib.procs import CpuMeter
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import bucket_quantile, percentile
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import (
+    PEAK_RSS,
+    BenchContext,
+    Outcome,
+    Scenario,
+    scheduler_cpu_ms_per,
+)
 from ops.devstack.etcdapi import EtcdError, etcd_revision
 
 FIGURES = (
@@ -24,6 +31,9 @@ FIGURES = (
     "etcd_txns_per_placement",
     "nodes_over_capacity",
     "rejected",
+    "etcd_writes_per_placement",
+    "scheduler_cpu_ms_per_placement",
+    PEAK_RSS,
 )
 DECISION = "persys_scheduler_placement_decision_seconds"
 TXNS = "persys_scheduler_etcd_txns_total"
@@ -47,10 +57,17 @@ async def run(ctx: BenchContext) -> Outcome:
     before = await stack.scrape_merged()
     held_before = int((await stack.fleet_stats()).get("workloads_held", 0))
     rev_before = await _revision(ctx)
+    watch = WriteCounter(stack.etcd_url, stack.etcd_root) if stack.etcd_url else None
+    if watch is not None:
+        await watch.start()
     cpu = CpuMeter(stack.process_pids())
     cpu.start()
-    report = await ctx.create_workloads(workloads, label="place")
-    cpu.stop()
+    try:
+        report = await ctx.create_workloads(workloads, label="place")
+    finally:
+        cpu.stop()
+        if watch is not None:
+            await watch.stop()
     after = await stack.scrape_merged()
     rev_after = await _revision(ctx)
     committed = len(report.committed)
@@ -67,9 +84,12 @@ async def run(ctx: BenchContext) -> Outcome:
     if report.rejected:
         out.notes["rejected"] = report.describe_rejections()
     out.notes["cpu"] = f"during the applies: {cpu.describe()}"
+    scheduler_cpu_ms_per(out, "scheduler_cpu_ms_per_placement", cpu, committed,
+                         "committed placements")
 
     _decision(out, before, after)
     _txns(out, before, after, committed, rev_before, rev_after)
+    _writes(out, watch, committed)
     await _capacity(ctx, out, held_before + committed)
     return out
 
@@ -131,6 +151,24 @@ def _txns(out: Outcome, before: MetricsSnapshot | None, after: MetricsSnapshot |
                  + ", ".join(parts) + f"; conflicts {conflicts:.0f}")
     if revisions:
         out.note(key, revisions)
+
+
+def _writes(out: Outcome, watch: WriteCounter | None, committed: int) -> None:
+    """Keys written per placement as the bench's own etcd watch saw them: counted the same way
+    whatever the target, so this (not ``etcd_txns_per_placement``) compares schedulers."""
+    key = "etcd_writes_per_placement"
+    if watch is None:
+        out.null(key, "no etcd endpoint to watch (pass --etcd URL, and --etcd-root if set)")
+        return
+    if committed == 0:
+        out.null(key, "no placement was committed")
+        return
+    if watch.error:
+        out.note(key, watch.error)
+    out.figures[key] = round(watch.writes / committed, 3)
+    out.note(key, f"{watch.writes} keys written ({watch.puts} puts, {watch.deletes} deletes) "
+             f"during the applies, any writer, from the bench's own watch of the key root; "
+             f"per placement by category: {describe_categories(watch.by_group, committed)}")
 
 
 async def _capacity(ctx: BenchContext, out: Outcome, expected_held: int) -> None:

@@ -34,6 +34,18 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """Peak resident set size of ``pid`` since it started, in MiB (``VmHWM``), or None."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0  # kB
+    return None
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds ``pid`` has used (all its threads), or None."""
     try:
@@ -58,6 +70,10 @@ class CpuMeter:
         self.used: dict[str, float] = {}
         self.wall_s = 0.0
 
+    @property
+    def names(self) -> list[str]:
+        return list(self._pids)
+
     def start(self) -> None:
         self._wall_start = time.monotonic()
         self._before = {}
@@ -73,6 +89,14 @@ class CpuMeter:
             after = cpu_seconds(self._pids[name])
             if after is not None:
                 self.used[name] = after - before
+
+    def total(self, prefix: str) -> tuple[float, list[str]]:
+        """CPU seconds summed over the processes whose name starts with ``prefix``, and the
+        names of those that could not be read at both ends (exited, or not ours to read)."""
+        used = sum(v for name, v in self.used.items() if name.startswith(prefix))
+        missing = [name for name in self._pids if name.startswith(prefix)
+                   and name not in self.used]
+        return used, missing
 
     def describe(self) -> str:
         """``"scheduler-0 12.1s (85%), etcd 3.0s (21%) ... over 14.2s"``, busiest first."""

@@ -24,11 +24,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ops.benchlib.etcdwatch import WriteCounter, count_prefix
+from ops.benchlib.etcdwatch import (
+    WriteCounter,
+    count_prefix,
+    describe_categories,
+    write_category,
+)
 from ops.benchlib.procs import CpuMeter, rss_mib
 from ops.benchlib.promtext import MetricsSnapshot
 from ops.benchlib.quantiles import percentile
-from ops.benchlib.scenario import BenchContext, Outcome, Scenario
+from ops.benchlib.scenario import PEAK_RSS, BenchContext, Outcome, Scenario
 
 FIGURES = (
     "cycle_time_p50_ms",
@@ -37,15 +42,46 @@ FIGURES = (
     "etcd_writes_per_cycle",
     "heartbeat_etcd_writes_per_s",
     "scheduler_rss_mib",
+    PEAK_RSS,
 )
-CYCLES = "persys_scheduler_reconcile_cycles_total"
-CYCLE_SUM = "persys_scheduler_reconcile_cycle_seconds_sum"
-CYCLE_COUNT = "persys_scheduler_reconcile_cycle_seconds_count"
-RPCS = "persys_scheduler_agent_rpcs_total"
-WRITES = "persys_scheduler_etcd_writes_total"
+
+
+@dataclass(frozen=True)
+class Names:
+    """The metric names one exporter uses for the reconcile figures."""
+
+    exporter: str
+    cycles: str
+    #: the cycle-duration histogram (``_sum`` and ``_count`` are read)
+    cycle_seconds: str
+    rpcs: str
+    rpc_label: str
+    writes: str
+
+    @property
+    def cycle_sum(self) -> str:
+        return f"{self.cycle_seconds}_sum"
+
+    @property
+    def cycle_count(self) -> str:
+        return f"{self.cycle_seconds}_count"
+
+
+#: This implementation's names; it also exports GO_NAMES.
+OURS = Names("this implementation", "persys_scheduler_reconcile_cycles_total",
+             "persys_scheduler_reconcile_cycle_seconds", "persys_scheduler_agent_rpcs_total",
+             "method", "persys_scheduler_etcd_writes_total")
+#: The Go persys-scheduler's names (docs/compatibility.md, "Metrics").
+GO_NAMES = Names("the Go scheduler", "persys_scheduler_reconciliation_cycles_total",
+                 "persys_scheduler_reconciliation_cycle_duration_seconds",
+                 "persys_scheduler_agent_rpc_requests_total", "rpc",
+                 "persys_scheduler_state_store_writes_total")
 PHASES = "persys_scheduler_reconcile_phase_seconds_total"
 HEARTBEATS = "persys_scheduler_heartbeats_total"
 SCRAPE_EVERY_S = 1.0
+#: How long the bench waits for a cycle to end before it has seen any (a slow target's first
+#: cycle after its start took over 34 s); a cycle still running then is reported censored.
+FIRST_CYCLE_WAIT_S = 90.0
 #: How long (plus 5 ms per created workload) the relay may take to drain the outbox.
 OUTBOX_SETTLE_S = 60.0
 CYCLE_KEYS = ("cycle_time_p50_ms", "cycle_time_p99_ms", "agent_rpcs_per_cycle",
@@ -64,6 +100,7 @@ class _Replica:
     durations_s: list[float] = field(default_factory=list)
     #: Scrapes in which more than one cycle completed (their durations are averages).
     merged: int = 0
+    names: Names = OURS
 
     def feed(self, snap: MetricsSnapshot | None, wanted: int) -> bool:
         """Take a new scrape; return True when a cycle ended in it."""
@@ -72,15 +109,16 @@ class _Replica:
         prev, self.last = self.last, snap
         if prev is None or self.end is not None:
             return False
-        done = snap.total(CYCLES) - prev.total(CYCLES)
+        n_ = self.names
+        done = snap.total(n_.cycles) - prev.total(n_.cycles)
         if done <= 0:
             return False
         if self.base is None:
             self.base = snap
             return True
         n = int(done)
-        spent = snap.total(CYCLE_SUM) - prev.total(CYCLE_SUM)
-        observed = snap.total(CYCLE_COUNT) - prev.total(CYCLE_COUNT)
+        spent = snap.total(n_.cycle_sum) - prev.total(n_.cycle_sum)
+        observed = snap.total(n_.cycle_count) - prev.total(n_.cycle_count)
         if observed >= 1:
             self.durations_s.extend([spent / observed] * n)
             if observed > 1:
@@ -171,7 +209,7 @@ class _AgentSpan:
         return Counter({k: int(v) for k, v in (stats.get("rpcs") or {}).items()})
 
     async def mark(self, ctx: BenchContext, replicas: list[_Replica]) -> None:
-        cycles = sum(r.last.total(CYCLES) for r in replicas if r.last is not None)
+        cycles = sum(r.last.total(r.names.cycles) for r in replicas if r.last is not None)
         if self.base is None and all(r.base is not None for r in replicas):
             self.base = self._rpcs(await ctx.stack.fleet_stats())
             self.cycles_base = cycles / len(replicas)
@@ -196,8 +234,11 @@ async def _observe(ctx: BenchContext, out: Outcome) -> None:
     wanted = ctx.args.cycles
     loop = asyncio.get_running_loop()
     first = await stack.scrape()
-    replicas = [_Replica(last=s) for s in first]
-    exported = any(s is not None and s.exports(CYCLES) for s in first)
+    names, used = resolve_names(first)
+    if any(s is not None for s in first):
+        out.notes["metrics"] = used
+    replicas = [_Replica(last=s, names=names) for s in first]
+    exported = any(s is not None and s.exports(names.cycles) for s in first)
     stats0 = await stack.fleet_stats()
     agents = _AgentSpan()
     watch = WriteCounter(stack.etcd_url, stack.etcd_root) if stack.etcd_url else None
@@ -206,8 +247,9 @@ async def _observe(ctx: BenchContext, out: Outcome) -> None:
     cpu = CpuMeter(stack.process_pids())
     cpu.start()
     t0 = loop.time()
-    # a cycle must end within two intervals plus a slow cycle's worth of time, or nothing runs
-    patience = 2 * interval + 10.0
+    # the first cycle end may take long (a slow target's first cycle); after it, a cycle must
+    # end within two intervals plus a slow cycle's worth of time
+    patience = max(2 * interval + 10.0, FIRST_CYCLE_WAIT_S)
     last_progress = t0
     try:
         while exported and any(r.end is None for r in replicas):
@@ -221,7 +263,8 @@ async def _observe(ctx: BenchContext, out: Outcome) -> None:
                     ended = True
                     last_progress = loop.time()
                     # once cycles run, allow for cycles longer than the interval
-                    patience = max(patience, 2 * interval + 4 * max(replica.durations_s or [0]))
+                    patience = 2 * interval + 10.0 + 4 * max(
+                        max(r.durations_s or [0]) for r in replicas)
             if ended:
                 await agents.mark(ctx, replicas)
         if watch is not None:
@@ -241,28 +284,36 @@ async def _observe(ctx: BenchContext, out: Outcome) -> None:
     window_s = loop.time() - t0
     stats1 = await stack.fleet_stats()
     out.notes["cpu"] = f"during the window: {cpu.describe()}"
-    _cycle_figures(out, replicas, exported, interval, window_s, agents)
+    _cycle_figures(out, replicas, exported, interval, window_s, agents, names,
+                   since_boundary=loop.time() - last_progress)
     _write_rate(out, watch, window_s, stats0, stats1)
 
 
 def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, interval: float,
-                   window_s: float, agents: _AgentSpan) -> None:
+                   window_s: float, agents: _AgentSpan, names: Names = OURS, *,
+                   since_boundary: float = 0.0) -> None:
     if not any(r.last is not None for r in replicas):
         for key in CYCLE_KEYS:
             out.null(key, "no /metrics to read (pass --metrics HOST:PORT)")
         return
     if not exported:
         for key in CYCLE_KEYS:
-            out.null(key, f"the target exports no {CYCLES}")
+            out.null(key, f"the target exports neither {OURS.cycles} nor {GO_NAMES.cycles}")
         return
     done = [r for r in replicas if r.base is not None and r.cycles > 0]
     if not done:
         started = sum(1 for r in replicas if r.base is not None)
-        why = (f"{CYCLES} did not advance in {window_s:.0f}s (reconcile interval "
-               f"{interval:g}s): no reconcile loop ran" if not started else
-               f"only the first cycle ended within {window_s:.0f}s; no whole cycle to measure")
-        for key in CYCLE_KEYS:
-            out.null(key, why)
+        if not started:
+            why = (f"{names.cycles} did not advance in {window_s:.0f}s (reconcile interval "
+                   f"{interval:g}s): a cycle running longer than that, or no reconcile loop")
+        else:
+            why = (f"after the first cycle end no cycle ended within {since_boundary:.0f}s "
+                   f"(reconcile interval {interval:g}s)")
+        bound = since_boundary if started else window_s
+        for key in ("cycle_time_p50_ms", "cycle_time_p99_ms"):
+            out.censor(key, round(bound * 1000, 1), "ms", why)
+        for key in ("agent_rpcs_per_cycle", "etcd_writes_per_cycle"):
+            out.null(key, "no whole cycle observed: " + why)
         return
     durations = [d for r in done for d in r.durations_s]
     p50, p99 = percentile(durations, 0.5), percentile(durations, 0.99)
@@ -289,11 +340,11 @@ def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, inter
         end = r.end or r.last
         assert end is not None
         delta = end.minus(r.base)
-        rpcs += delta.total(RPCS) / r.cycles
-        writes += delta.total(WRITES) / r.cycles
-        for method, n in delta.by_label(RPCS, "method").items():
+        rpcs += delta.total(names.rpcs) / r.cycles
+        writes += delta.total(names.writes) / r.cycles
+        for method, n in delta.by_label(names.rpcs, names.rpc_label).items():
             by_method[method] += round(n / r.cycles)
-        for category, n in delta.by_label(WRITES, "category").items():
+        for category, n in delta.by_label(names.writes, "category").items():
             by_category[category] += round(n / r.cycles)
         for phase, seconds in delta.by_label(PHASES, "phase").items():
             phases[phase] = phases.get(phase, 0.0) + seconds / r.cycles / len(done)
@@ -301,21 +352,23 @@ def _cycle_figures(out: Outcome, replicas: list[_Replica], exported: bool, inter
         out.note("cycle_time_p50_ms", "mean wall time per cycle by phase: " + ", ".join(
             f"{phase} {seconds * 1000:,.0f} ms"
             for phase, seconds in sorted(phases.items(), key=lambda kv: -kv[1])))
-    if any(r.last is not None and r.last.exports(RPCS) for r in done):
+    if any(r.last is not None and r.last.exports(names.rpcs) for r in done):
         out.figures["agent_rpcs_per_cycle"] = round(rpcs, 1)
         out.note("agent_rpcs_per_cycle", "by method: " + _fmt(by_method))
     else:
-        out.null("agent_rpcs_per_cycle", f"the target exports no {RPCS}")
+        out.null("agent_rpcs_per_cycle",
+                 f"the target exports neither {OURS.rpcs} nor {GO_NAMES.rpcs}")
     witness = agents.describe()
     if witness:
         out.note("agent_rpcs_per_cycle", witness)
-    if any(r.last is not None and r.last.exports(WRITES) for r in done):
+    if any(r.last is not None and r.last.exports(names.writes) for r in done):
         out.figures["etcd_writes_per_cycle"] = round(writes, 2)
         if by_category:
             out.note("etcd_writes_per_cycle", "by category (heartbeats' included): "
                      + _fmt(by_category))
     else:
-        out.null("etcd_writes_per_cycle", f"the target exports no {WRITES}")
+        out.null("etcd_writes_per_cycle",
+                 f"the target exports neither {OURS.writes} nor {GO_NAMES.writes}")
 
 
 def _fmt(counts: Counter[str] | dict[str, float]) -> str:
@@ -331,7 +384,11 @@ def _write_rate(out: Outcome, watch: WriteCounter | None, window_s: float,
         return
     if watch.error:
         out.note(key, watch.error)
-    out.figures[key] = round(watch.writes / window_s, 3) if window_s > 0 else None
+    nodes = sum(n for g, n in watch.by_group.items() if write_category(g) == "node")
+    out.figures[key] = round(nodes / window_s, 3) if window_s > 0 else None
+    if window_s > 0:
+        out.note(key, "writes to node keys (the node category) per second; every category "
+                 "per second: " + describe_categories(watch.by_group, window_s, "/s"))
     beats = int((stats1.get("control") or {}).get("heartbeats_ok", 0)) - int(
         (stats0.get("control") or {}).get("heartbeats_ok", 0))
     groups = _fmt(dict(watch.by_group))
@@ -352,3 +409,33 @@ SCENARIO = Scenario(
     run=run,
     ha="shards",
 )
+
+
+def resolve_names(snaps: list[MetricsSnapshot | None]) -> tuple[Names, str]:
+    """Per family, the first of OURS and GO_NAMES any replica exports (a family neither
+    exports keeps OURS, so its figure says it is missing); and a note saying which."""
+    live = [x for x in snaps if x is not None]
+
+    def pick(attr: str, probe: str) -> Names:
+        for names in (OURS, GO_NAMES):
+            name = getattr(names, attr)
+            if any(x.exports(name + probe) for x in live):
+                return names
+        return OURS
+
+    cycles = pick("cycles", "")
+    hist = pick("cycle_seconds", "_count")
+    rpcs = pick("rpcs", "")
+    writes = pick("writes", "")
+    chosen = Names(cycles.exporter if cycles is hist else "mixed", cycles.cycles,
+                   hist.cycle_seconds, rpcs.rpcs, rpcs.rpc_label, writes.writes)
+    used = [n for n in (chosen.cycles, chosen.cycle_seconds, chosen.rpcs, chosen.writes)
+            if any(x.exports(n) or x.exports(n + "_count") for x in live)]
+    fallback = [n for n in used if n not in (OURS.cycles, OURS.cycle_seconds, OURS.rpcs,
+                                             OURS.writes)]
+    note = ("read " + ", ".join(used) if used else "none of the reconcile metrics is exported")
+    if fallback:
+        note += (" (the Go scheduler's names: this implementation's "
+                 + ", ".join(sorted({OURS.cycles, OURS.cycle_seconds, OURS.rpcs, OURS.writes}
+                                    - set(used))) + " not exported)")
+    return chosen, note

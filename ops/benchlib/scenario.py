@@ -15,14 +15,24 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from ops.benchlib.clients import ApiClients, ApplyReport
+from ops.benchlib.procs import CpuMeter, peak_rss_mib
 from ops.benchlib.stack import Stack
 from ops.benchlib.workloads import apply_requests
+from proto.persys.control.v1 import control_pb2
 
 Figure = float | int | None
+
+#: The figure every scenario reports (filled in by the runner, ``ops.bench``).
+PEAK_RSS = "scheduler_peak_rss_mib"
+#: How the bench names scheduler processes in ``Stack.scheduler_pids`` and ``CpuMeter``.
+SCHEDULER_PREFIX = "scheduler-"
+NO_PID = ("the bench does not know the scheduler's process id (it did not start it): pass "
+          "--scheduler-pid PID")
 
 
 @dataclass
@@ -41,9 +51,55 @@ class Outcome:
         self.figures[key] = None
         self.notes[key] = why
 
+    def censor(self, key: str, bound: float, unit: str, why: str) -> None:
+        """``key`` was still running when the bench stopped waiting: its value is the lower
+        bound ``bound``, its note starts with "censored: more than", and ``notes["censored"]``
+        lists every censored figure (a reader must not take the bound for a measurement)."""
+        self.figures[key] = bound
+        self.notes[key] = f"censored: more than {bound:g} {unit} ({why})" + (
+            f"; {self.notes[key]}" if key in self.notes else "")
+        listed = [k for k in self.notes.get("censored", "").split(", ") if k]
+        self.notes["censored"] = ", ".join([*listed, key]) if key not in listed else \
+            ", ".join(listed)
+
     def note(self, key: str, text: str) -> None:
         """Add to the note of ``key`` (several reasons may apply)."""
         self.notes[key] = f"{self.notes[key]}; {text}" if key in self.notes else text
+
+
+class MissingRpcs(RuntimeError):
+    """The target answered UNIMPLEMENTED for RPCs the scenario needs: it cannot be measured
+    (the runner exits non-zero naming them, never with figures that only look measured)."""
+
+    def __init__(self, scenario: str, rpcs: list[str]) -> None:
+        self.scenario = scenario
+        self.rpcs = sorted(set(rpcs))
+        super().__init__(f"{scenario} needs {', '.join(self.rpcs)}, which the target does not "
+                         "implement (answered UNIMPLEMENTED)")
+
+
+async def require_event_rpcs(scenario: str, stub: Any) -> None:
+    """Raise MissingRpcs when the target answers ListEvents or WatchEvents UNIMPLEMENTED
+    (read-only probes: the newest event, and a watch held open for a second)."""
+    missing: list[str] = []
+    try:
+        await stub.ListEvents(control_pb2.ListEventsRequest(limit=1), timeout=30)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            missing.append("ListEvents")
+    call = stub.WatchEvents(control_pb2.WatchEventsRequest(node_id="bench-probe"))
+    try:
+        async with asyncio.timeout(1.0):
+            await call.read()
+    except TimeoutError:
+        pass  # open and quiet: implemented
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            missing.append("WatchEvents")
+    finally:
+        call.cancel()
+    if missing:
+        raise MissingRpcs(scenario, missing)
 
 
 @dataclass(frozen=True)
@@ -75,6 +131,8 @@ class BenchContext:
     api: ApiClients
     #: Prefix of every workload id this run creates.
     prefix: str
+    #: Peak RSS of the schedulers (``scheduler_peak_rss_mib``), sampled before kills.
+    peak_rss: PeakRss = field(default_factory=lambda: PeakRss())
 
     def log(self, message: str) -> None:
         """Progress for the operator, on stderr (stdout ends with the JSON line)."""
@@ -117,3 +175,54 @@ class BenchContext:
         """How long workloads may take to be seen Running: a couple of heartbeats plus the
         apply dispatch at a rate this machine manages."""
         return 30.0 + 3.0 * float(self.args.heartbeat_interval) + count / 200.0
+
+
+def scheduler_cpu_ms_per(out: Outcome, key: str, cpu: CpuMeter, units: int, what: str) -> None:
+    """``key`` = scheduler CPU milliseconds (every scheduler process, summed) measured by
+    ``cpu`` per one of ``units`` (``what`` names them), or null with the reason."""
+    used, missing = cpu.total(SCHEDULER_PREFIX)
+    if not any(name.startswith(SCHEDULER_PREFIX) for name in cpu.names):
+        out.null(key, NO_PID)
+        return
+    if missing:
+        out.null(key, "the CPU time of " + ", ".join(missing) + " could not be read from /proc "
+                 "at both ends of the measurement (exited, or another user's process)")
+        return
+    if units <= 0:
+        out.null(key, f"no {what} to divide by")
+        return
+    out.figures[key] = round(1000.0 * used / units, 3)
+    out.note(key, f"{used:.2f}s of scheduler CPU (user+system, all threads, every scheduler "
+             f"process) over {cpu.wall_s:.1f}s wall / {units} {what}; it includes whatever "
+             "else the scheduler did meanwhile (heartbeats, reconcile cycles)")
+
+
+class PeakRss:
+    """The largest ``VmHWM`` (peak RSS since start) of the scheduler processes, remembered
+    across restarts: ``sample()`` before a process is killed, ``fill()`` at the end."""
+
+    def __init__(self) -> None:
+        self.peak: dict[str, float] = {}
+
+    def sample(self, pids: dict[str, int]) -> None:
+        for name, pid in pids.items():
+            if name.startswith(SCHEDULER_PREFIX):
+                value = peak_rss_mib(pid)
+                if value is not None:
+                    self.peak[f"{name} (pid {pid})"] = value
+
+    def fill(self, out: Outcome, pids: dict[str, int]) -> None:
+        self.sample(pids)
+        schedulers = [n for n in pids if n.startswith(SCHEDULER_PREFIX)]
+        if not schedulers and not self.peak:
+            out.null(PEAK_RSS, NO_PID)
+            return
+        if not self.peak:
+            out.null(PEAK_RSS, "VmHWM of " + ", ".join(schedulers) + " could not be read "
+                     "from /proc/PID/status (exited, or another user's process)")
+            return
+        name, value = max(self.peak.items(), key=lambda kv: kv[1])
+        out.figures[PEAK_RSS] = round(value, 1)
+        out.note(PEAK_RSS, f"the largest VmHWM (peak resident memory since the process "
+                 f"started) of {len(self.peak)} scheduler process(es): {name}; for a "
+                 "scheduler the bench did not start, its peak may predate the run")
