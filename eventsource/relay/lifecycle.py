@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from opentelemetry.trace import Tracer
+
 from eventsource.clock import Clock
 from eventsource.election import Election, Leadership, Session
 from eventsource.errors import LeaseLost, StoreError
@@ -52,6 +54,7 @@ class Relay:
         election_poll: float = 1.0,
         mark_interval: float = MARK_INTERVAL_S,
         after_append: AfterAppend | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         if batch < 1 or outbox_max < 1:
             raise ValueError("batch and outbox_max must be positive")
@@ -85,6 +88,7 @@ class Relay:
             etcd, layout, log, metrics, clock, view, self._marker, pruner,
             batch=batch, max_entries=max_entries, renew_deadline=self._renew_deadline,
             retry_min=retry_min, retry_max=retry_max, after_append=after_append,
+            tracer=tracer,
         )  # fmt: skip
 
     @property
