@@ -136,6 +136,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{NODES_PER_SIM_PROCESS:,} nodes; failover: always one), so that one "
                             "process's event loop answering every ListWorkloads is not what the "
                             "bench measures")
+    stack.add_argument("--trace-endpoint", default="", metavar="HOST:PORT|URL|jaeger",
+                       help="export the started schedulers' traces over OTLP/HTTP there "
+                            "(OTEL_EXPORTER_OTLP_ENDPOINT); 'jaeger' starts a private Jaeger "
+                            "(python -m ops.jaeger --build first). Default: no export, whatever "
+                            "the bench's own environment says")
     stack.add_argument("--keep", action="store_true",
                        help="keep the run's directory (logs, etcd and Redis data); a run whose "
                             "start failed keeps it anyway, an interrupted one removes it")
@@ -185,6 +190,7 @@ def _stack_options(args: argparse.Namespace, scenario: Scenario, *,
         keep=args.keep,
         lease_ttl_s=args.lease_ttl,
         node_prefix=f"{run}-node-" if args.scheduler else DEFAULT_NODE_PREFIX,
+        trace_endpoint=args.trace_endpoint,
     )
 
 
@@ -225,6 +231,8 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
         api = ApiClients(stack.grpc_addrs)
         ctx = BenchContext(args=args, stack=stack, api=api, prefix=prefix)
         outcome = await scenario.run(ctx)
+        if stack.trace_endpoint:
+            outcome.notes["traces"] = f"exported to {stack.trace_endpoint} (OTLP/HTTP)"
         if stack.options.external and not stack.options.metrics_addrs:
             outcome.notes.setdefault("metrics", "no --metrics given: scheduler-side figures null")
         return _check(outcome, scenario)
@@ -282,6 +290,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     if args.metrics and not args.scheduler:
         print("persys-scheduler bench: --metrics needs --scheduler", file=sys.stderr)
+        return 2
+    if args.trace_endpoint and args.scheduler:
+        print("persys-scheduler bench: --trace-endpoint configures the schedulers it starts, "
+              "not --scheduler's", file=sys.stderr)
         return 2
     try:
         outcome = run_loop(lambda: _run(args, scenario), "uvloop")
