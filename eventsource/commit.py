@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from eventsource import tracing
@@ -91,17 +92,25 @@ class Committer:
         call) is not lost with the caller.
 
         Traced (a tracer, and a recorded span current): an ``etcd.commit`` span with the group
-        wait and the transaction under it, and the change's events carry its context
-        (``eventsource.tracing``). ``timing``, when given, is filled in for a caller that
-        draws those spans in traces of its own (the placement batcher's callers).
+        wait and the transaction under it, the change's events carry its context and
+        ``on_commit`` runs in the caller's context (``eventsource.tracing``). ``timing``, when
+        given, is filled in for a caller that draws those spans in traces of its own (the
+        placement batcher's callers).
         """
         if self.tracer is None or not tracing.recording():
             return await self._commit(change, fenced, on_commit, timing, None)
-        with self.tracer.start_as_current_span(
-                "etcd.commit", kind=SpanKind.INTERNAL, record_exception=False,
-                set_status_on_exception=False,
-                attributes={tracing.COMMIT_KIND: change.kind}) as span:
+        on_commit = tracing.in_context(otel_context.get_current(), on_commit)
+        # not made current: nothing below makes spans in this task
+        span = self.tracer.start_span("etcd.commit", kind=SpanKind.INTERNAL,
+                                      attributes={tracing.COMMIT_KIND: change.kind})
+        try:
             return await self._commit(change, fenced, on_commit, timing, span)
+        except BaseException as exc:
+            if not isinstance(exc, Conflict | StoreError):
+                span.set_status(Status(StatusCode.ERROR, repr(exc)))
+            raise
+        finally:
+            span.end()
 
     async def _commit(self, change: Change, fenced: bool,
                       on_commit: Callable[[int], None] | None, timing: CommitTiming | None,
@@ -122,7 +131,7 @@ class Committer:
             # etcd's --max-txn-ops bounds each list of a transaction separately
             raise ValueError(f"transaction too large: {ops} ops, {len(compares)} compares")
         if span is not None:
-            events = tracing.stamp(events, tracing.current_traceparent())
+            events = tracing.stamp(events, tracing.traceparent_of(span.get_span_context()))
             if timing is None:
                 timing = CommitTiming()
         pending = Pending(kind=change.kind, compares=compares, puts=list(change.puts),
@@ -157,7 +166,7 @@ class Committer:
                        error: str = "") -> None:
         assert self.tracer is not None
         assert pending.timing is not None
-        tracing.draw_commit(self.tracer, pending.timing)
+        tracing.draw_commit(self.tracer, span, pending.timing)
         span.set_attribute(tracing.COMMIT_OUTCOME, outcome)
         if revision:
             span.set_attribute(tracing.COMMIT_REVISION, revision)

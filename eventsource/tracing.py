@@ -13,9 +13,14 @@ Rules every user follows:
 * a committed event remembers the span that committed it as a W3C ``traceparent``
   (``Event.traceparent``); its outbox record carries it, the stream entry's ``details`` carry its
   ``trace_id`` (docs/events.md), and the relay makes its append span a child of it;
+* the step that must follow a commit (``on_commit``: an agent call) runs in the committer's
+  own task; it is run in the caller's context (``in_context``), so it joins the caller's trace;
 * a wait shared by many callers (a group commit, a placement batch) is shown in each caller's
-  trace by spans with explicit start and end times (``CommitTiming``), since no single span
-  of the shared task could belong to all of those traces.
+  trace, as attributes of its commit span and a transaction span with explicit start and end
+  times (``CommitTiming``), since no single span of the shared task could belong to all of
+  those traces;
+* spans without children are never made current (``start_span``, not
+  ``start_as_current_span``): a context switch costs as much as the span.
 
 Attribute names are the Go scheduler's (``scheduler.*``).
 """
@@ -24,13 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import (
     NonRecordingSpan,
+    Span,
     SpanContext,
     SpanKind,
     Status,
@@ -54,6 +61,8 @@ COMMIT_KIND = "scheduler.commit_kind"
 COMMIT_OUTCOME = "scheduler.commit_outcome"
 COMMIT_REVISION = "scheduler.commit_revision"
 GROUP_SIZE = "scheduler.group_size"
+GROUP_WAIT_MS = "scheduler.group_wait_ms"
+BATCH_WAIT_MS = "scheduler.batch_wait_ms"
 EVENT_TYPE = "scheduler.event_type"
 EVENT_ID = "scheduler.event_id"
 STREAM_ID = "scheduler.stream_id"
@@ -108,6 +117,23 @@ def stamp(events: Sequence[Event], traceparent: str) -> list[Event]:
             for e in events]
 
 
+def in_context(ctx: Context, step: Callable[[int], None] | None
+               ) -> Callable[[int], None] | None:
+    """``step`` run with ``ctx`` as the current context: a commit's ``on_commit`` runs in the
+    committer's task, and the agent call it starts belongs to the caller's trace."""
+    if step is None:
+        return None
+
+    def run(revision: int) -> None:
+        token = otel_context.attach(ctx)
+        try:
+            step(revision)
+        finally:
+            otel_context.detach(token)
+
+    return run
+
+
 @dataclass(slots=True)
 class CommitTiming:
     """When one change went through the group commit (``time.time_ns`` stamps), for spans
@@ -133,20 +159,21 @@ class CommitTiming:
         self.answered_ns = time.time_ns()
 
 
-def draw_commit(tracer: Tracer, timing: CommitTiming) -> None:
-    """The group-commit wait and the etcd transaction of one change, as children of the
-    current span: ``etcd.group_wait`` (queued until its transaction was sent) and ``etcd.txn``
-    (sent until etcd answered)."""
+def draw_commit(tracer: Tracer, parent: Span, timing: CommitTiming) -> None:
+    """One change's way through the group commit, on ``parent`` (its commit span): the time it
+    waited for a transaction as ``scheduler.group_wait_ms`` (queued until sent: transactions
+    in flight, or a change writing the same key), and the transaction itself as an
+    ``etcd.txn`` child span (sent until etcd answered)."""
     if not timing.queued_ns:
         return
-    end = timing.sent_ns or timing.answered_ns or time.time_ns()
-    wait = tracer.start_span("etcd.group_wait", kind=SpanKind.INTERNAL,
-                             start_time=timing.queued_ns)
-    wait.end(end_time=end)
-    if timing.sent_ns:
-        txn = tracer.start_span("etcd.txn", kind=SpanKind.CLIENT, start_time=timing.sent_ns,
-                                attributes={"db.system": "etcd", GROUP_SIZE: timing.group_size,
-                                            "scheduler.txn_request": timing.request})
-        if not timing.answered_ns:
-            txn.set_status(Status(StatusCode.ERROR, "no answer"))
-        txn.end(end_time=timing.answered_ns or time.time_ns())
+    sent = timing.sent_ns or timing.answered_ns or time.time_ns()
+    parent.set_attribute(GROUP_WAIT_MS, (sent - timing.queued_ns) / 1e6)
+    if not timing.sent_ns:
+        return
+    txn = tracer.start_span("etcd.txn", context=trace.set_span_in_context(parent),
+                            kind=SpanKind.CLIENT, start_time=timing.sent_ns,
+                            attributes={"db.system": "etcd", GROUP_SIZE: timing.group_size,
+                                        "scheduler.txn_request": timing.request})
+    if not timing.answered_ns:
+        txn.set_status(Status(StatusCode.ERROR, "no answer"))
+    txn.end(end_time=timing.answered_ns or time.time_ns())

@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
-from opentelemetry.instrumentation.grpc.filters import service_name
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -52,6 +51,16 @@ log = logging.getLogger("persys.tracing")
 
 #: the service whose calls get server spans
 TRACED_SERVICE = "persys.control.v1.AgentControl"
+_TRACED_PREFIX = f"/{TRACED_SERVICE}/"
+
+
+def _traced_call(details: Any) -> bool:
+    """The instrumentation's filter: AgentControl calls only (a prefix test; its own
+    ``service_name`` filter parses the method name on every call)."""
+    method = details.method
+    if isinstance(method, bytes):
+        method = method.decode()
+    return isinstance(method, str) and method.startswith(_TRACED_PREFIX)
 #: how long a stop waits for the spans still queued to be exported
 FLUSH_TIMEOUT_S = 5.0
 
@@ -142,7 +151,7 @@ class Tracing:
         if self.provider is None:
             return []
         server = aio_server_interceptor(  # type: ignore[no-untyped-call]
-            tracer_provider=self.provider, filter_=service_name(TRACED_SERVICE))
+            tracer_provider=self.provider, filter_=_traced_call)
         return [server, CallAttributes()]
 
     def client_interceptors(self) -> list[Any]:

@@ -21,8 +21,8 @@ committed together. Correctness does not depend on the batching:
 Each caller awaits its own future: it learns the commit revision or the reason.
 
 Traced (a tracer, and the caller's span recorded), a caller's trace shows a
-``placement.commit`` span with, drawn afterwards from timestamps, the wait for its batch
-(``placement.batch_wait``), the group commit's wait and the etcd transaction; its events carry
+``placement.commit`` span with, from timestamps taken on the way, the wait for its batch and the
+group commit's wait as attributes and the etcd transaction as a child span; its events carry
 that span's context, and its ``on_commit`` (the agent apply) runs in the caller's context, so the
 agent call joins the caller's trace although a batch task of this batcher starts it.
 """
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from eventsource import tracing
 from eventsource.commit import Change, Committer
@@ -109,22 +109,6 @@ class IntentTrace:
     commit: CommitTiming | None = None
 
 
-def _in_context(ctx: otel_context.Context,
-                step: Callable[[int], None] | None) -> Callable[[int], None] | None:
-    """``step`` run with ``ctx`` as the current trace context."""
-    if step is None:
-        return None
-
-    def run(revision: int) -> None:
-        token = otel_context.attach(ctx)
-        try:
-            step(revision)
-        finally:
-            otel_context.detach(token)
-
-    return run
-
-
 class PlacementBatcher:
     def __init__(self, committer: Committer, cluster: ClusterProjection, layout: KeyLayout, *,
                  max_inflight: int = 4, max_intents: int = 24,
@@ -156,44 +140,44 @@ class PlacementBatcher:
         return await self._submit_traced(intent, self.tracer)
 
     async def _submit_traced(self, intent: Intent, tracer: Tracer) -> int:
-        caller = otel_context.get_current()
-        with tracer.start_as_current_span(
-                "placement.commit", kind=SpanKind.INTERNAL, record_exception=False,
-                set_status_on_exception=False,
-                attributes={tracing.WORKLOAD_ID: intent.workload_id,
-                            tracing.NODE_ID: intent.node_id}) as span:
-            intent.events = tracing.stamp(intent.events, tracing.current_traceparent())
-            intent.on_commit = _in_context(caller, intent.on_commit)
-            trace = intent.trace = IntentTrace()
-            outcome = "error"
-            try:
-                revision = await self._submit_untraced(intent)
-                outcome = "committed"
-                span.set_attribute(tracing.COMMIT_REVISION, revision)
-                return revision
-            except Conflict:
-                outcome = "conflict"
-                raise
-            except BaseException as exc:
-                span.set_status(Status(StatusCode.ERROR, repr(exc)))
-                raise
-            finally:
-                span.set_attribute(tracing.COMMIT_OUTCOME, outcome)
-                self._draw(tracer, trace)
+        # the span is not made current: nothing below makes spans in this task
+        span = tracer.start_span("placement.commit", kind=SpanKind.INTERNAL,
+                                 attributes={tracing.WORKLOAD_ID: intent.workload_id,
+                                             tracing.NODE_ID: intent.node_id})
+        intent.events = tracing.stamp(intent.events,
+                                      tracing.traceparent_of(span.get_span_context()))
+        intent.on_commit = tracing.in_context(otel_context.get_current(), intent.on_commit)
+        trace = intent.trace = IntentTrace()
+        outcome = "error"
+        try:
+            revision = await self._submit_untraced(intent)
+            outcome = "committed"
+            span.set_attribute(tracing.COMMIT_REVISION, revision)
+            return revision
+        except Conflict:
+            outcome = "conflict"
+            raise
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, repr(exc)))
+            raise
+        finally:
+            span.set_attribute(tracing.COMMIT_OUTCOME, outcome)
+            self._draw(tracer, span, trace)
+            span.end()
 
     async def _submit_untraced(self, intent: Intent) -> int:
         self._pump.submit(intent)
         return await intent.future
 
     @staticmethod
-    def _draw(tracer: Tracer, trace: IntentTrace) -> None:
-        """The wait for a batch and the batch's commit, in the caller's trace."""
-        wait = tracer.start_span("placement.batch_wait", kind=SpanKind.INTERNAL,
-                                 start_time=trace.submitted_ns,
-                                 attributes={"scheduler.batch_size": trace.batch_size})
-        wait.end(end_time=trace.taken_ns or time.time_ns())
+    def _draw(tracer: Tracer, span: Span, trace: IntentTrace) -> None:
+        """The wait for a batch and the batch's way through the group commit, on the
+        caller's commit span."""
+        taken = trace.taken_ns or time.time_ns()
+        span.set_attribute(tracing.BATCH_WAIT_MS, (taken - trace.submitted_ns) / 1e6)
+        span.set_attribute("scheduler.batch_size", trace.batch_size)
         if trace.commit is not None:
-            tracing.draw_commit(tracer, trace.commit)
+            tracing.draw_commit(tracer, span, trace.commit)
 
     def _take(self, queue: deque[Intent]) -> list[Intent]:
         batch: list[Intent] = []

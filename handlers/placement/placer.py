@@ -159,10 +159,11 @@ class Placer:
     def decide(self, req: PlacementRequest) -> PlacementDecision:
         if self.tracer is None or not tracing.recording():
             return self._decide(req)
-        with self.tracer.start_as_current_span(
-                "placement.decide", kind=SpanKind.INTERNAL,
-                attributes={tracing.WORKLOAD_ID: req.workload_id,
-                            tracing.WORKLOAD_TYPE: req.workload_type}) as span:
+        # no child spans: not made current
+        span = self.tracer.start_span("placement.decide", kind=SpanKind.INTERNAL,
+                                      attributes={tracing.WORKLOAD_ID: req.workload_id,
+                                                  tracing.WORKLOAD_TYPE: req.workload_type})
+        try:
             decision = self._decide(req)
             span.set_attribute("scheduler.nodes_visited", decision.visited)
             if decision.node_id is not None:
@@ -170,6 +171,8 @@ class Placer:
             else:
                 span.set_attribute("scheduler.placement_refused", decision.reason[:1000])
             return decision
+        finally:
+            span.end()
 
     def _decide(self, req: PlacementRequest) -> PlacementDecision:
         self.reservations.prune(self.clock.monotonic())
