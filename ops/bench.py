@@ -139,8 +139,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     stack.add_argument("--trace-endpoint", default="", metavar="HOST:PORT|URL|jaeger",
                        help="export the started schedulers' traces over OTLP/HTTP there "
                             "(OTEL_EXPORTER_OTLP_ENDPOINT); 'jaeger' starts a private Jaeger "
-                            "(python -m ops.jaeger --build first). Default: no export, whatever "
-                            "the bench's own environment says")
+                            "(once built by ops/jaeger.py). Default: no export, whatever the "
+                            "bench's own environment says")
     stack.add_argument("--keep", action="store_true",
                        help="keep the run's directory (logs, etcd and Redis data); a run whose "
                             "start failed keeps it anyway, an interrupted one removes it")

@@ -31,6 +31,9 @@ from eventsource import tracing
 from handlers.reconcile.bookkeeping import CycleReport
 from handlers.reconcile.planner.workload import Action
 
+#: what every method answers with traces off: one shared no-op context manager
+_OFF = contextlib.nullcontext()
+
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
@@ -53,12 +56,15 @@ class CycleTracing:
         self._chosen: frozenset[str] = frozenset()
         self._unassigned_left = 0
 
-    @contextlib.contextmanager
-    def cycle(self, report: CycleReport) -> Iterator[None]:
+    def cycle(self, report: CycleReport) -> contextlib.AbstractContextManager[None]:
         """The root span of one cycle (always a new trace)."""
         if self.tracer is None:
-            yield
-            return
+            return _OFF
+        return self._cycle(report)
+
+    @contextlib.contextmanager
+    def _cycle(self, report: CycleReport) -> Iterator[None]:
+        assert self.tracer is not None
         with self.tracer.start_as_current_span("reconcile.cycle", context=Context(),
                                                kind=SpanKind.INTERNAL) as span:
             self._root = otel_context.get_current() if span.is_recording() else None
@@ -91,10 +97,15 @@ class CycleTracing:
         self._chosen = frozenset(chosen)
         self._unassigned_left = self.nodes_per_cycle
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """A phase of the cycle, as a child of its root; the block's own work is traced only
         where it asks (``node``, ``action``)."""
+        if self.tracer is None:
+            return _OFF
+        return self._phase(name)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
         if self.tracer is None or self._root is None:
             yield
             return
@@ -102,12 +113,15 @@ class CycleTracing:
                                                kind=SpanKind.INTERNAL):
             yield
 
-    @contextlib.contextmanager
-    def node(self, node_id: str) -> Iterator[None]:
+    def node(self, node_id: str) -> contextlib.AbstractContextManager[None]:
         """A node's listing: its span when the node is in the sample, untraced otherwise."""
         if self.tracer is None:
-            yield
-            return
+            return _OFF
+        return self._node(node_id)
+
+    @contextlib.contextmanager
+    def _node(self, node_id: str) -> Iterator[None]:
+        assert self.tracer is not None
         if self._root is None or node_id not in self._chosen:
             with quiet():
                 yield
@@ -118,13 +132,16 @@ class CycleTracing:
             self._nodes[node_id] = otel_context.get_current()
             yield
 
-    @contextlib.contextmanager
-    def on_node(self, node_id: str) -> Iterator[None]:
+    def on_node(self, node_id: str) -> contextlib.AbstractContextManager[None]:
         """More work for a node (marking it NotReady), in its span's context when it was
         sampled, untraced otherwise."""
         if self.tracer is None:
-            yield
-            return
+            return _OFF
+        return self._on_node(node_id)
+
+    @contextlib.contextmanager
+    def _on_node(self, node_id: str) -> Iterator[None]:
+        assert self.tracer is not None
         parent = self._nodes.get(node_id)
         if parent is None:
             with quiet():
@@ -136,13 +153,16 @@ class CycleTracing:
         finally:
             otel_context.detach(token)
 
-    @contextlib.contextmanager
-    def action(self, action: Action) -> Iterator[None]:
+    def action(self, action: Action) -> contextlib.AbstractContextManager[None]:
         """One action: a child span of its node's span when the node was sampled (or of the
         root, for the first placements of workloads on no node), untraced otherwise."""
         if self.tracer is None:
-            yield
-            return
+            return _OFF
+        return self._action(action)
+
+    @contextlib.contextmanager
+    def _action(self, action: Action) -> Iterator[None]:
+        assert self.tracer is not None
         parent = self._nodes.get(action.node_id) if action.node_id else None
         if parent is None and not action.node_id and self._root is not None \
                 and self._unassigned_left > 0:
@@ -162,11 +182,14 @@ class CycleTracing:
                                                attributes=attributes):
             yield
 
-    @contextlib.contextmanager
-    def untraced(self) -> Iterator[None]:
+    def untraced(self) -> contextlib.AbstractContextManager[None]:
         """A block whose work is never traced (drift remediation: unbounded per cycle)."""
         if self.tracer is None:
-            yield
-            return
+            return _OFF
+        return self._untraced()
+
+    @contextlib.contextmanager
+    def _untraced(self) -> Iterator[None]:
+        assert self.tracer is not None
         with quiet():
             yield
