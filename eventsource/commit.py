@@ -91,9 +91,10 @@ class Committer:
         while the transaction was on its way): the step that must follow a commit (an agent
         call) is not lost with the caller.
 
-        Traced (a tracer, and a recorded span current): an ``etcd.commit`` span with the group
-        wait and the transaction under it, the change's events carry its context and
-        ``on_commit`` runs in the caller's context (``eventsource.tracing``). ``timing``, when
+        Traced (a tracer, and a recorded span current): an ``etcd.commit`` span (the wait for
+        the group commit as an attribute, the transaction as a child span), the change's events
+        carry its context, and ``on_commit`` runs in the caller's context
+        (``eventsource.tracing``). ``timing``, when
         given, is filled in for a caller that draws those spans in traces of its own (the
         placement batcher's callers).
         """

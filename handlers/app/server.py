@@ -3,7 +3,8 @@
 Everything the process runs is built here and passed down (no module-level clients, caches or
 registries). Every long-running task is started through ``TaskOwner`` and cancelled and awaited at
 shutdown, in this order: stop accepting RPCs -> stop leader loops and the relay -> revoke leases
--> stop projections and the tailer -> close agent channels -> close Redis -> close etcd.
+-> stop projections and the tailer -> close agent channels -> close Redis -> close etcd ->
+flush the traces (when exported, ``handlers.app.tracing``).
 
 Beside it: the owned tasks (``tasks``), the gRPC server's life from bind to stop
 (``grpc_endpoint``), the errors a start fails with (``start_errors``), and the run of one
