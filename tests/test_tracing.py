@@ -480,3 +480,21 @@ def test_outbox_record_carries_the_trace_and_the_entry_its_id():
     assert b"trace" not in untraced
     assert parent_of("garbage") is None
 
+
+
+def test_sim_takes_the_go_agents_endpoint_variable(monkeypatch):
+    import argparse
+
+    from ops.sim.cli import add_sim_arguments
+    from ops.sim.fleet import Fleet
+
+    monkeypatch.setenv("PERSYS_OTLP_ENDPOINT", "collector:4318")
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    assert parser.parse_args(["--scheduler", "127.0.0.1:1"]).otlp_endpoint == "collector:4318"
+    assert parser.parse_args(["--scheduler", "127.0.0.1:1", "--otlp-endpoint", ""]
+                             ).otlp_endpoint == ""
+    untraced = Fleet("127.0.0.1:1", count=1)
+    assert untraced.tracing.provider is None
+    with pytest.raises(ConfigError, match="--otlp-endpoint"):
+        Fleet("127.0.0.1:1", count=1, otlp_endpoint="grpc://collector:4317")
