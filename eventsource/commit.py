@@ -17,12 +17,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from eventsource.errors import Conflict
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from eventsource import tracing
+from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import MAX_TXN_OPS, AsyncEtcd, Compare, Delete, Put
 from eventsource.events import Event
 from eventsource.group import GroupCommit, Pending
 from eventsource.keys import KeyLayout
 from eventsource.metrics import STATE_STORE_CATEGORIES, Metrics
+from eventsource.tracing import CommitTiming
 
 
 @dataclass(slots=True)
@@ -61,19 +66,23 @@ class Committer:
         *,
         outbox_enabled: bool,
         fence: Callable[[], list[Compare]] | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.etcd = etcd
         self.layout = layout
         self.metrics = metrics
         self.outbox_enabled = outbox_enabled
         self._fence = fence
+        #: None: traces are not exported, and commits make no spans at all
+        self.tracer = tracer
         self._group = GroupCommit(etcd, layout, metrics)
 
     def set_fence(self, fence: Callable[[], list[Compare]] | None) -> None:
         self._fence = fence
 
     async def commit(self, change: Change, *, fenced: bool = False,
-                     on_commit: Callable[[int], None] | None = None) -> Committed:
+                     on_commit: Callable[[int], None] | None = None,
+                     timing: CommitTiming | None = None) -> Committed:
         """Apply ``change`` atomically or raise ``Conflict``.
 
         ``fenced`` adds the leader fence (the compare on this replica's election key), used by
@@ -81,7 +90,32 @@ class Committer:
         also when the caller was cancelled meanwhile (a client that gave up at its deadline
         while the transaction was on its way): the step that must follow a commit (an agent
         call) is not lost with the caller.
+
+        Traced (a tracer, and a recorded span current): an ``etcd.commit`` span (the wait for
+        the group commit as an attribute, the transaction as a child span), the change's events
+        carry its context, and ``on_commit`` runs in the caller's context
+        (``eventsource.tracing``). ``timing``, when
+        given, is filled in for a caller that draws those spans in traces of its own (the
+        placement batcher's callers).
         """
+        if self.tracer is None or not tracing.recording():
+            return await self._commit(change, fenced, on_commit, timing, None)
+        on_commit = tracing.in_context(otel_context.get_current(), on_commit)
+        # not made current: nothing below makes spans in this task
+        span = self.tracer.start_span("etcd.commit", kind=SpanKind.INTERNAL,
+                                      attributes={tracing.COMMIT_KIND: change.kind})
+        try:
+            return await self._commit(change, fenced, on_commit, timing, span)
+        except BaseException as exc:
+            if not isinstance(exc, Conflict | StoreError):
+                span.set_status(Status(StatusCode.ERROR, repr(exc)))
+            raise
+        finally:
+            span.end()
+
+    async def _commit(self, change: Change, fenced: bool,
+                      on_commit: Callable[[int], None] | None, timing: CommitTiming | None,
+                      span: Span | None) -> Committed:
         compares = list(change.compares)
         if fenced:
             if self._fence is None:
@@ -97,10 +131,22 @@ class Committer:
         if ops > MAX_TXN_OPS or len(compares) > MAX_TXN_OPS:
             # etcd's --max-txn-ops bounds each list of a transaction separately
             raise ValueError(f"transaction too large: {ops} ops, {len(compares)} compares")
+        if span is not None:
+            events = tracing.stamp(events, tracing.traceparent_of(span.get_span_context()))
+            if timing is None:
+                timing = CommitTiming()
         pending = Pending(kind=change.kind, compares=compares, puts=list(change.puts),
                           deletes=list(change.deletes), events=list(events),
-                          outbox=self.outbox_enabled, on_commit=on_commit)
-        succeeded, revision = await self._group.submit(pending)
+                          outbox=self.outbox_enabled, on_commit=on_commit, timing=timing)
+        try:
+            succeeded, revision = await self._group.submit(pending)
+        except StoreError as exc:
+            if span is not None:
+                self._trace_outcome(span, pending, "error", 0, error=str(exc))
+            raise
+        if span is not None:
+            self._trace_outcome(span, pending, "committed" if succeeded else "conflict",
+                                revision)
         if not succeeded:
             self.metrics.etcd_txns.labels(change.kind, "conflict").inc()
             raise Conflict(f"{change.kind}: a compared key changed", revision=revision)
@@ -116,6 +162,19 @@ class Committer:
         else:
             self._count_unrecorded(change)
         return Committed(revision=revision)
+
+    def _trace_outcome(self, span: Span, pending: Pending, outcome: str, revision: int, *,
+                       error: str = "") -> None:
+        assert self.tracer is not None
+        assert pending.timing is not None
+        tracing.draw_commit(self.tracer, span, pending.timing)
+        span.set_attribute(tracing.COMMIT_OUTCOME, outcome)
+        if revision:
+            span.set_attribute(tracing.COMMIT_REVISION, revision)
+        if pending.events:
+            span.set_attribute("scheduler.events", len(pending.events))
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error))
 
     def _count_unrecorded(self, change: Change) -> None:
         """Without Redis there is no outbox: a change's events are recorded nowhere, which the

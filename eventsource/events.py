@@ -46,6 +46,8 @@ CATALOGUE: Mapping[str, str] = {
 }
 
 EVENT_TYPES = frozenset(CATALOGUE)
+#: the outbox record's field holding the committing span's W3C traceparent (not in the stream)
+TRACEPARENT_FIELD = "traceparent"
 #: The entry that marks events a reader may have missed; every watcher gets it, whatever its
 #: filter.
 GAP_TYPE = "EventsGap"
@@ -99,6 +101,10 @@ class Event:
     details: Mapping[str, str] = field(default_factory=dict)
     event_id: str = field(default_factory=lambda: new_event_id())
     timestamp: datetime = field(default_factory=lambda: datetime.now(UTC))
+    #: the W3C ``traceparent`` of the span that committed it ("" untraced): the outbox record
+    #: keeps it for the relay's span, the stream entry shows its trace id as
+    #: ``details["trace_id"]`` (``eventsource.tracing``)
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         if self.type not in EVENT_TYPES:
@@ -120,8 +126,14 @@ class Event:
             body["nodeId"] = self.node_id
         if self.reason:
             body["reason"] = self.reason
-        if self.details:
-            body["details"] = {str(k): str(v) for k, v in self.details.items()}
+        details = {str(k): str(v) for k, v in self.details.items()} if self.details else {}
+        if self.traceparent:
+            body[TRACEPARENT_FIELD] = self.traceparent
+            trace_id = self.traceparent.split("-")[1] if self.traceparent.count("-") == 3 else ""
+            if trace_id:
+                details.setdefault("trace_id", trace_id)
+        if details:
+            body["details"] = details
         return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -178,8 +190,10 @@ def parse_stream_id(stream_id: str) -> tuple[int, int]:
 
 
 def entry_data(outbox_value: bytes, *, revision: int, prev: str) -> str:
-    """The stream entry's ``data`` field from an outbox record and its commit revision."""
+    """The stream entry's ``data`` field from an outbox record and its commit revision (the
+    record's ``traceparent`` is the relay's, not the entry's: the entry has the trace id)."""
     body = json.loads(outbox_value)
+    body.pop(TRACEPARENT_FIELD, None)
     body["revision"] = revision
     body["prev"] = prev
     return json.dumps(body, separators=(",", ":"))

@@ -45,6 +45,7 @@ from eventsource.events import Event
 from eventsource.keys import KeyLayout
 from eventsource.metrics import Metrics
 from eventsource.pump import BatchPump
+from eventsource.tracing import CommitTiming
 
 log = logging.getLogger("persys.commit")
 
@@ -75,9 +76,13 @@ class Pending:
     #: called with the revision once the change is committed, even when its caller has
     #: stopped waiting (cancelled): what must follow a commit does not depend on the caller
     on_commit: Callable[[int], None] | None = None
+    #: when its caller is traced: when it was queued, sent and answered (``eventsource.tracing``)
+    timing: CommitTiming | None = None
 
     def committed(self, succeeded: bool, revision: int) -> None:
         """Settle the caller and run ``on_commit`` (a success only)."""
+        if self.timing is not None:
+            self.timing.answered()
         if succeeded:
             after_commit(self.on_commit, revision, what=f"kind={self.kind}")
         settle(self.future, result=(succeeded, revision))
@@ -161,6 +166,8 @@ class GroupCommit:
         """Send ``pending``; returns (succeeded, revision) or raises ``StoreError``."""
         if self._pump.closed:
             raise StoreError("etcd writer closed")
+        if pending.timing is not None:
+            pending.timing.queued()
         self._pump.submit(pending)
         return await pending.future
 
@@ -246,6 +253,8 @@ class GroupCommit:
 
     async def _send_one(self, pending: Pending) -> None:
         self.metrics.etcd_txn_requests.labels("single").inc()
+        if pending.timing is not None:
+            pending.timing.sent(1, "single")
         result = await self.etcd.txn(pending.compares, pending.ops(self.layout, 0))
         pending.committed(result.succeeded, result.revision)
 
@@ -256,6 +265,8 @@ class GroupCommit:
         for pending in group:
             subs.append((pending.compares, pending.ops(self.layout, seq)))
             seq += len(pending.events)
+            if pending.timing is not None:
+                pending.timing.sent(len(group), "group")
         revision, outcomes, second_try = await self.etcd.txn_group(subs)
         if second_try:
             # sent flat first (unless too wide), then nested after a failed compare

@@ -9,6 +9,7 @@ and *how a batch is sent* differ; those are the two functions given here.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
@@ -21,7 +22,8 @@ class BatchPump(Generic[T]):
 
     ``take`` removes what it picks from ``queue`` (it may leave items that must wait) and
     returns them; an empty list means nothing can go now. ``send`` must settle every item's
-    caller itself; the pump only sequences the tasks.
+    caller itself; the pump only sequences the tasks. Each batch runs in a context of its own
+    (empty): what must run in a caller's context is carried by the item.
     """
 
     def __init__(self, *, max_inflight: int,
@@ -46,7 +48,10 @@ class BatchPump(Generic[T]):
             if not batch:
                 return
             self.inflight += 1
-            task = asyncio.get_running_loop().create_task(self._run(batch))
+            # an empty context: the batch serves many callers, so it must not run in the
+            # context of whichever one happened to start it (its trace, for one)
+            task = asyncio.get_running_loop().create_task(self._run(batch),
+                                                          context=contextvars.Context())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

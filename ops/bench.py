@@ -144,6 +144,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{NODES_PER_SIM_PROCESS:,} nodes; failover: always one), so that one "
                             "process's event loop answering every ListWorkloads is not what the "
                             "bench measures")
+    stack.add_argument("--trace-endpoint", default="", metavar="HOST:PORT|URL|jaeger",
+                       help="export the started schedulers' traces over OTLP/HTTP there "
+                            "(OTEL_EXPORTER_OTLP_ENDPOINT); 'jaeger' starts a private Jaeger "
+                            "(once built by ops/jaeger.py). Default: no export, whatever the "
+                            "bench's own environment says")
     stack.add_argument("--keep", action="store_true",
                        help="keep the run's directory (logs, etcd and Redis data); a run whose "
                             "start failed keeps it anyway, an interrupted one removes it")
@@ -197,6 +202,7 @@ def _stack_options(args: argparse.Namespace, scenario: Scenario, *,
         keep=args.keep,
         lease_ttl_s=args.lease_ttl,
         node_prefix=f"{run}-node-" if args.scheduler else DEFAULT_NODE_PREFIX,
+        trace_endpoint=args.trace_endpoint,
     )
 
 
@@ -248,6 +254,8 @@ async def _run(args: argparse.Namespace, scenario: Scenario) -> Outcome:
             outcome.notes["profile"] = profiled
         if PEAK_RSS in scenario.figures and outcome.figures.get(PEAK_RSS) is None:
             ctx.peak_rss.fill(outcome, stack.scheduler_pids)
+        if stack.trace_endpoint:
+            outcome.notes["traces"] = f"exported to {stack.trace_endpoint} (OTLP/HTTP)"
         if stack.options.external and not stack.options.metrics_addrs:
             outcome.notes.setdefault("metrics", "no --metrics given: scheduler-side figures null")
         return _check(outcome, scenario)
@@ -308,6 +316,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     if args.metrics and not args.scheduler:
         print("persys-scheduler bench: --metrics needs --scheduler", file=sys.stderr)
+        return 2
+    if args.trace_endpoint and args.scheduler:
+        print("persys-scheduler bench: --trace-endpoint configures the schedulers it starts, "
+              "not --scheduler's", file=sys.stderr)
         return 2
     try:
         outcome = run_loop(lambda: _run(args, scenario), "uvloop")

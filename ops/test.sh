@@ -7,6 +7,7 @@
 #   the etcd, Redis and Vault-API servers the fixtures start);
 # * Debian's Ceph packages for the RGW bucket tests (needs root and apt; skipped if present);
 # * CoreDNS, built once from the Go module proxy into .cache/bin (the DNS test);
+# * Jaeger, built once from its Go module into .cache/bin (the tracing tests);
 # * tmux from Debian's packages (the terminal test of ``persys top``);
 # * the import contracts (import-linter), then pytest.
 # Each step is skipped when already done.
@@ -48,6 +49,11 @@ fi
 if [ ! -x .cache/bin/coredns ] && [ -z "${PERSYS_COREDNS_BIN:-}" ]; then
     echo "ops/test.sh: building CoreDNS from the Go module proxy (first run only)" >&2
     PATH="$PATH:/usr/local/go/bin" .venv/bin/python -m ops.coredns --build </dev/null >/dev/null
+fi
+
+if [ ! -x .cache/bin/jaeger ] && [ -z "${PERSYS_JAEGER_BIN:-}" ]; then
+    echo "ops/test.sh: building Jaeger from the Go module proxy (first run only, minutes)" >&2
+    PATH="$PATH:/usr/local/go/bin" .venv/bin/python -m ops.jaeger --build </dev/null >/dev/null
 fi
 
 # the import contracts of pyproject.toml (layers, independent packages, pure deciders)

@@ -151,7 +151,7 @@ DOC = documented_keys()
 def doc_problems(view: View) -> list[str]:
     """How the view's details differ from docs/events.md ([] when they agree)."""
     doc = DOC[view.type]
-    keys = set(view.details) - {"event_id"}
+    keys = set(view.details) - {"event_id", "trace_id"}
     problems: list[str] = []
     if keys - doc.allowed:
         problems.append(f"undocumented keys {sorted(keys - doc.allowed)}")
@@ -199,8 +199,9 @@ async def await_events(stub: AgentControlStub, event_type: str, *, n: int = 1,
 
 
 def plain(view: View) -> dict[str, str]:
-    """The details without the ``event_id`` every relayed view carries."""
-    return {k: v for k, v in view.details.items() if k != "event_id"}
+    """The details without the ``event_id`` every relayed view carries (and the ``trace_id``
+    of a traced one)."""
+    return {k: v for k, v in view.details.items() if k not in ("event_id", "trace_id")}
 
 
 def after(view: View, key: str) -> datetime:

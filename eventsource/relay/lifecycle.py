@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from opentelemetry.trace import Tracer
+
 from eventsource.clock import Clock
 from eventsource.election import Election, Leadership, Session
 from eventsource.errors import LeaseLost, StoreError
@@ -59,6 +61,7 @@ class Relay:
         after_append: AfterAppend | None = None,
         master: MasterPin | None = None,
         replicas: ReplicaWait | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         if batch < 1 or outbox_max < 1:
             raise ValueError("batch and outbox_max must be positive")
@@ -93,6 +96,7 @@ class Relay:
             batch=batch, max_entries=max_entries, renew_deadline=self._renew_deadline,
             retry_min=retry_min, retry_max=retry_max, after_append=after_append,
             master=master, replicas=replicas,
+            tracer=tracer,
         )  # fmt: skip
 
     @property

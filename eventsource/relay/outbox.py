@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from eventsource.events import TRACEPARENT_FIELD
+
 if TYPE_CHECKING:
     from eventsource.etcd import KeyValue
 
@@ -28,6 +30,10 @@ class OutboxRecord:
     value: bytes
     #: the event's timestamp in epoch milliseconds (its decision), 0 if it has none
     ts_ms: int = 0
+    #: the W3C traceparent of the span that committed it ("" untraced), and its type (known
+    #: only when traced: the relay's span names it)
+    traceparent: str = ""
+    event_type: str = ""
 
     @property
     def order(self) -> IdKey:
@@ -49,8 +55,13 @@ def parse_record(kv: KeyValue) -> OutboxRecord | None:
     if seq < 0 or not isinstance(event_id, str) or not event_id or kv.mod_revision <= 0:
         return None
     ts = body.get("ts")
+    traceparent = body.get(TRACEPARENT_FIELD)
+    if not isinstance(traceparent, str) or not traceparent:
+        return OutboxRecord(key=kv.key, revision=kv.mod_revision, seq=seq, value=kv.value,
+                            ts_ms=ts if isinstance(ts, int) and ts > 0 else 0)
     return OutboxRecord(key=kv.key, revision=kv.mod_revision, seq=seq, value=kv.value,
-                        ts_ms=ts if isinstance(ts, int) and ts > 0 else 0)
+                        ts_ms=ts if isinstance(ts, int) and ts > 0 else 0,
+                        traceparent=traceparent, event_type=str(body.get("type", "")))
 
 
 def parse_all(kvs: Sequence[KeyValue]) -> tuple[list[OutboxRecord], list[str]]:

@@ -14,14 +14,22 @@ READONLY reply) ends the pass, and the next one checks the new master's stream a
 again, in order, whatever it lacks (``events_reappended``): those records are still in the
 outbox, because an append counts as done, and its keys are deleted, only once ``replicas``
 (``WAIT``) confirmed enough replicas hold it. A back-off is cut short by a failover.
+
+Traced (a tracer given), each appended event whose outbox record carries the context of the
+span that committed it gets a ``relay.append`` span in that trace, as that span's child, timed
+by the batch's XADD (``eventsource.tracing``); untraced records cost nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
+from opentelemetry.trace import SpanKind, Tracer
+
+from eventsource import tracing
 from eventsource.clock import Clock
 from eventsource.election import Leadership
 from eventsource.errors import (
@@ -83,7 +91,9 @@ class OutboxPump:
         after_append: AfterAppend | None,
         master: MasterPin | None = None,
         replicas: ReplicaWait | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
+        self._tracer = tracer
         self._etcd = etcd
         self._layout = layout
         self._stream = stream
@@ -282,12 +292,15 @@ class OutboxPump:
             self._master.check()
         # sent from here on: a later pass that finds them missing sends them again
         high, self._appended_high = self._appended_high, max(self._appended_high, plan.top)
+        began = time.time_ns() if self._tracer is not None else 0
         try:
             result = await self._stream.append_batch(plan.entries, maxlen=self._max_entries,
                                                      wait=self._replicas)
         except NothingSent:
             self._appended_high = high  # never reached Redis: the next attempt is the first
             raise
+        if self._tracer is not None:
+            self._trace_append(self._tracer, chunk, len(plan.entries), began)
         again = sum(1 for r in chunk if r.order <= high and r.stream_id not in result.present)
         if again:
             self._metrics.events_reappended.inc(again)
@@ -306,6 +319,27 @@ class OutboxPump:
             await self._marker.settle(lead)
             await self._after_append([stream_id for stream_id, _ in plan.entries])
         await self._marker.owe(lead, chunk, plan.marks, plan.position, plan.gaps_left)
+
+    def _trace_append(self, tracer: Tracer, chunk: list[OutboxRecord], entries: int,
+                      began_ns: int) -> None:
+        """One ``relay.append`` span per traced record, under the span that committed it."""
+        ended_ns = time.time_ns()
+        now_ms = self._clock.now().timestamp() * 1000.0
+        for record in chunk:
+            if not record.traceparent:
+                continue
+            parent = tracing.parent_of(record.traceparent)
+            if parent is None:
+                continue
+            attributes: dict[str, str | int | float] = {
+                tracing.STREAM_ID: record.stream_id, tracing.EVENT_TYPE: record.event_type,
+                "scheduler.batch_size": entries, "messaging.system": "redis",
+                "messaging.destination.name": self._stream.key}
+            if record.ts_ms:
+                attributes["scheduler.relay_delay_ms"] = max(0.0, now_ms - record.ts_ms)
+            span = tracer.start_span("relay.append", context=parent, kind=SpanKind.PRODUCER,
+                                     start_time=began_ns, attributes=attributes)
+            span.end(end_time=ended_ns)
 
     def _observe_delay(self, appended: list[OutboxRecord]) -> None:
         """Each event's decision-to-append time (``event_relay_delay_seconds``)."""

@@ -10,6 +10,9 @@ enforcement and answer ``too_many_pings`` otherwise.
 Every call carries ``x-persys-node-id`` (so an agent can refuse a call meant for another node),
 ``x-persys-instance-id`` and, when this replica leads, ``x-persys-leader-term``; every call has a
 deadline. A leader checks its renew deadline right before each call (``guard``).
+
+With traces exported, every channel carries the tracing interceptors (``interceptors``): each
+call is a client span whose W3C ``traceparent`` goes to the agent in the call's metadata.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,8 +143,11 @@ class AgentPool:
         guard: Callable[[], None] = lambda: None,
         delete_timeout: float | None = None,
         cert_rotator: Callable[[], Awaitable[bool]] | None = None,
+        interceptors: Sequence[Any] = (),
     ) -> None:
         self.metrics = metrics
+        #: the client interceptors of every channel (tracing; none when traces are off)
+        self.interceptors = list(interceptors) or None
         #: asks for a new certificate of our own (``CertManager.force_rotate``); a call that
         #: failed in the handshake is retried once when it answers True
         self.cert_rotator = cert_rotator
@@ -184,10 +190,12 @@ class AgentPool:
         if entry is None:
             if self.tls is not None:
                 channel = grpc.aio.secure_channel(
-                    endpoint, self.tls.credentials(), options=KEEPALIVE_OPTIONS
+                    endpoint, self.tls.credentials(), options=KEEPALIVE_OPTIONS,
+                    interceptors=self.interceptors,
                 )
             else:
-                channel = grpc.aio.insecure_channel(endpoint, options=KEEPALIVE_OPTIONS)
+                channel = grpc.aio.insecure_channel(endpoint, options=KEEPALIVE_OPTIONS,
+                                                    interceptors=self.interceptors)
             stub = agent_pb2_grpc.AgentServiceStub(channel)  # type: ignore[no-untyped-call]
             raw_list = channel.unary_unary(
                 LIST_WORKLOADS_PATH,

@@ -9,6 +9,9 @@ below); the composition root only says when each step happens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -52,8 +55,11 @@ SERVER_OPTIONS = (
 class GrpcEndpoint:
     """The AgentControl, health and reflection services on one grpc.aio server."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, servicer: ControlServicer) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, servicer: ControlServicer, *,
+                 tracing: Sequence[Any] = ()) -> None:
         self.settings = settings
+        #: the tracing interceptors, outside every other one (none when traces are off)
+        self.tracing = list(tracing)
         self.metrics = metrics
         self.servicer = servicer
         self.health_servicer = health.aio.HealthServicer()
@@ -95,7 +101,7 @@ class GrpcEndpoint:
 
     def _build(self) -> grpc.aio.Server:
         interceptors: list[grpc.aio.ServerInterceptor] = [
-            ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration)]
+            *self.tracing, ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration)]
         if not self.settings.insecure:
             refused = self.metrics.calls_refused
             interceptors.append(AgentRoleInterceptor(

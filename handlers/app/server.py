@@ -3,7 +3,8 @@
 Everything the process runs is built here and passed down (no module-level clients, caches or
 registries). Every long-running task is started through ``TaskOwner`` and cancelled and awaited at
 shutdown, in this order: stop accepting RPCs -> stop leader loops and the relay -> revoke leases
--> stop projections and the tailer -> close agent channels -> close Redis -> close etcd.
+-> stop projections and the tailer -> close agent channels -> close Redis -> close etcd ->
+flush the traces (when exported, ``handlers.app.tracing``).
 
 Beside it: the owned tasks (``tasks``), the gRPC server's life from bind to stop
 (``grpc_endpoint``), the errors a start fails with (``start_errors``), and the run of one
@@ -16,6 +17,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Coroutine
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from eventsource.clock import Clock, SystemClock
@@ -38,6 +40,7 @@ from handlers.app.looplag import GcPauses, probe_loop_lag
 from handlers.app.redis_clients import RedisClients
 from handlers.app.start_errors import StartError, listen_error
 from handlers.app.tasks import TaskOwner
+from handlers.app.tracing import Tracing
 from handlers.cluster.certificates import build_cert_manager
 from handlers.cluster.dns import DnsRegistration, advertise_ip
 from handlers.cluster.leadership import LeaderGate
@@ -64,6 +67,13 @@ log = logging.getLogger("persys.server")
 READY_TIMEOUT_S = 60.0
 
 
+def _version() -> str:
+    try:
+        return version("persys-scheduler")
+    except PackageNotFoundError:  # not installed (a source tree): no version on the spans
+        return ""
+
+
 async def _unless_stopped(stop: asyncio.Event | None, work: Coroutine[Any, Any, Any]) -> bool:
     """Await ``work``; False, with ``work`` cancelled, when ``stop`` is set first."""
     if stop is None:
@@ -80,18 +90,21 @@ class Scheduler:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.metrics = Metrics()
+        #: trace export (off without an endpoint: then ``tracer`` is None everywhere)
+        self.tracing = Tracing(settings, version=_version())
+        self.tracer = self.tracing.tracer
         self.layout = KeyLayout(settings.etcd_root)
         self.etcd = AsyncEtcd(settings.etcd_endpoints, timeout=settings.etcd_timeout_s,
                               max_workers=16, tls=settings.etcd_tls)
         self.mode = ModeState(self.clock.now())
         self.cluster = ClusterProjection(self.etcd, self.layout, self.metrics)
         self.committer = Committer(self.etcd, self.layout, self.metrics,
-                                   outbox_enabled=settings.events_enabled)
+                                   outbox_enabled=settings.events_enabled, tracer=self.tracer)
         self.writer = StateWriter(self.cluster, self.committer, self.layout)
         self.placer = Placer(self.cluster, self.clock, self.metrics,
                              reservation_ttl=settings.reservation_ttl_s,
                              lane=(settings.shard_index, settings.shard_count)
-                             if settings.active_active else (0, 1))
+                             if settings.active_active else (0, 1), tracer=self.tracer)
         tls = None
         if settings.agent_tls_enabled:
             tls = TlsFiles(settings.tls_ca, settings.tls_cert, settings.tls_key)
@@ -107,7 +120,8 @@ class Scheduler:
                                 rpc_timeout=settings.agent_rpc_timeout_s, tls=tls,
                                 leader_term=lambda: self.leader.term, guard=self.leader.guard,
                                 delete_timeout=settings.agent_delete_timeout_s,
-                                cert_rotator=self.certs.force_rotate if self.certs else None)
+                                cert_rotator=self.certs.force_rotate if self.certs else None,
+                                interceptors=self.tracing.client_interceptors())
         self.dispatcher = Dispatcher(pool=self.agents, cluster=self.cluster,
                                      committer=self.committer, writer=self.writer,
                                      clock=self.clock, layout=self.layout,
@@ -116,7 +130,8 @@ class Scheduler:
                                      vm_apply_timeout=settings.agent_vm_apply_timeout_s,
                                      delete_confirm_s=settings.agent_delete_timeout_s,
                                      delete_poll_s=settings.agent_status_poll_interval_s)
-        self.batcher = PlacementBatcher(self.committer, self.cluster, self.layout)
+        self.batcher = PlacementBatcher(self.committer, self.cluster, self.layout,
+                                        tracer=self.tracer)
         self.workloads = WorkloadCommands(cluster=self.cluster, committer=self.committer,
                                           writer=self.writer, placer=self.placer,
                                           dispatcher=self.dispatcher, batcher=self.batcher,
@@ -172,7 +187,8 @@ class Scheduler:
         self.http = HttpEndpoint(self.metrics.registry, self.health)
         self.tasks = TaskOwner()
         self.gc_pauses = GcPauses(self.metrics.gc_pause)
-        self.grpc = GrpcEndpoint(settings, self.metrics, self.servicer)
+        self.grpc = GrpcEndpoint(settings, self.metrics, self.servicer,
+                                 tracing=self.tracing.server_interceptors())
         self.dns: DnsRegistration | None = None
         from handlers.reconcile.registration import register_loops
 
@@ -341,7 +357,7 @@ class Scheduler:
             outbox_max=self.settings.event_outbox_max, instance_id=self.settings.instance_id,
             lease_ttl=self.settings.leader_lease_ttl_s,
             renew_deadline=self.settings.leader_renew_deadline_s,
-            master=master, replicas=self.redis_clients.replica_wait(),
+            master=master, replicas=self.redis_clients.replica_wait(), tracer=self.tracer,
         )
 
     async def stop(self) -> None:
@@ -379,3 +395,5 @@ class Scheduler:
         await step("http", self.http.stop())
         await step("committer", self.committer.aclose())
         self.etcd.close()
+        # last: the spans of everything above are flushed (a deadline of its own)
+        await self.tracing.aclose()

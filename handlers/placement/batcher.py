@@ -19,16 +19,27 @@ committed together. Correctness does not depend on the batching:
 * a node is in at most one batch in flight, so two batches never race for one allocation.
 
 Each caller awaits its own future: it learns the commit revision or the reason.
+
+Traced (a tracer, and the caller's span recorded), a caller's trace shows a
+``placement.commit`` span with, from timestamps taken on the way, the wait for its batch and the
+group commit's wait as attributes and the etcd transaction as a child span; its events carry
+that span's context, and its ``on_commit`` (the agent apply) runs in the caller's context, so the
+agent call joins the caller's trace although a batch task of this batcher starts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from eventsource import tracing
 from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, StoreError
 from eventsource.etcd import MAX_TXN_OPS, Compare, Put
@@ -37,6 +48,7 @@ from eventsource.group import MAX_GROUP_BYTES, after_commit, change_bytes, settl
 from eventsource.keys import KeyLayout
 from eventsource.pump import BatchPump
 from eventsource.records import Allocation, encode
+from eventsource.tracing import CommitTiming
 from projections.cluster import ClusterProjection
 
 log = logging.getLogger("persys.batcher")
@@ -70,6 +82,8 @@ class Intent:
     on_commit: Callable[[int], None] | None = None
     future: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    #: set by ``submit`` when the caller is traced
+    trace: IntentTrace | None = None
 
     def size(self) -> int:
         """Bytes this intent adds to a transaction (counted as GroupCommit counts a change)."""
@@ -85,10 +99,23 @@ class Intent:
         return {c.key for c in self.compares}
 
 
+@dataclass(slots=True)
+class IntentTrace:
+    """When a traced intent was queued and taken, and how its last commit attempt went."""
+
+    submitted_ns: int = field(default_factory=time.time_ns)
+    taken_ns: int = 0
+    batch_size: int = 0
+    commit: CommitTiming | None = None
+
+
 class PlacementBatcher:
     def __init__(self, committer: Committer, cluster: ClusterProjection, layout: KeyLayout, *,
-                 max_inflight: int = 4, max_intents: int = 24) -> None:
+                 max_inflight: int = 4, max_intents: int = 24,
+                 tracer: Tracer | None = None) -> None:
         self.committer = committer
+        #: None: traces are not exported (no spans, no timestamps)
+        self.tracer = tracer
         self.cluster = cluster
         self.layout = layout
         self.max_intents = max_intents
@@ -107,8 +134,50 @@ class PlacementBatcher:
         """Queue ``intent``; returns the commit revision or raises ``Conflict``/``StoreError``."""
         if self._pump.closed:
             raise StoreError("scheduler shutting down")
+        if self.tracer is None or not tracing.recording():
+            self._pump.submit(intent)
+            return await intent.future
+        return await self._submit_traced(intent, self.tracer)
+
+    async def _submit_traced(self, intent: Intent, tracer: Tracer) -> int:
+        # the span is not made current: nothing below makes spans in this task
+        span = tracer.start_span("placement.commit", kind=SpanKind.INTERNAL,
+                                 attributes={tracing.WORKLOAD_ID: intent.workload_id,
+                                             tracing.NODE_ID: intent.node_id})
+        intent.events = tracing.stamp(intent.events,
+                                      tracing.traceparent_of(span.get_span_context()))
+        intent.on_commit = tracing.in_context(otel_context.get_current(), intent.on_commit)
+        trace = intent.trace = IntentTrace()
+        outcome = "error"
+        try:
+            revision = await self._submit_untraced(intent)
+            outcome = "committed"
+            span.set_attribute(tracing.COMMIT_REVISION, revision)
+            return revision
+        except Conflict:
+            outcome = "conflict"
+            raise
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, repr(exc)))
+            raise
+        finally:
+            span.set_attribute(tracing.COMMIT_OUTCOME, outcome)
+            self._draw(tracer, span, trace)
+            span.end()
+
+    async def _submit_untraced(self, intent: Intent) -> int:
         self._pump.submit(intent)
         return await intent.future
+
+    @staticmethod
+    def _draw(tracer: Tracer, span: Span, trace: IntentTrace) -> None:
+        """The wait for a batch and the batch's way through the group commit, on the
+        caller's commit span."""
+        taken = trace.taken_ns or time.time_ns()
+        span.set_attribute(tracing.BATCH_WAIT_MS, (taken - trace.submitted_ns) / 1e6)
+        span.set_attribute("scheduler.batch_size", trace.batch_size)
+        if trace.commit is not None:
+            tracing.draw_commit(tracer, span, trace.commit)
 
     def _take(self, queue: deque[Intent]) -> list[Intent]:
         batch: list[Intent] = []
@@ -146,6 +215,12 @@ class PlacementBatcher:
         queue.extend(kept)
         self._busy |= nodes
         self._busy_keys |= keys
+        traced = [i.trace for i in batch if i.trace is not None]
+        if traced:
+            taken = time.time_ns()
+            for trace in traced:
+                trace.taken_ns = taken
+                trace.batch_size = len(batch)
         return batch
 
     def _base(self, node_id: str) -> tuple[Allocation, int]:
@@ -215,8 +290,14 @@ class PlacementBatcher:
                 change, accepted, final = self._build(batch)
                 if not accepted:
                     return
+                timing = None
+                if any(i.trace is not None for i in accepted):
+                    timing = CommitTiming()
+                    for intent in accepted:
+                        if intent.trace is not None:
+                            intent.trace.commit = timing
                 try:
-                    committed = await self.committer.commit(change)
+                    committed = await self.committer.commit(change, timing=timing)
                 except Conflict as exc:
                     batch = accepted
                     for node_id in final:

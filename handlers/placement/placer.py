@@ -3,6 +3,9 @@
 Keeps, incrementally from the projections, what ``placement.place`` reads: the ``NodeInfo`` of
 every node (rebuilt only for the node that changed), the allocation sums per node, the workload
 counts for spread, the liveness set, and this replica's in-flight reservations.
+
+Traced (a tracer, and the caller's span recorded), each decision is a ``placement.decide`` span
+with the workload, its type, the node chosen (or why none) and how many nodes were visited.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ import time
 from collections import ChainMap
 from collections.abc import Mapping
 
+from opentelemetry.trace import SpanKind, Tracer
+
+from eventsource import tracing
 from eventsource.clock import Clock
 from eventsource.metrics import Metrics
 from eventsource.records import Allocation, Node
@@ -129,7 +135,10 @@ class Placer:
         reservation_ttl: float,
         sample: int = 32,
         lane: tuple[int, int] = (0, 1),
+        tracer: Tracer | None = None,
     ) -> None:
+        #: None: traces are not exported, and decisions make no spans
+        self.tracer = tracer
         self.cluster = cluster
         self.clock = clock
         self.metrics = metrics
@@ -148,6 +157,24 @@ class Placer:
         return item is not None and workload_id in item.value.workloads
 
     def decide(self, req: PlacementRequest) -> PlacementDecision:
+        if self.tracer is None or not tracing.recording():
+            return self._decide(req)
+        # no child spans: not made current
+        span = self.tracer.start_span("placement.decide", kind=SpanKind.INTERNAL,
+                                      attributes={tracing.WORKLOAD_ID: req.workload_id,
+                                                  tracing.WORKLOAD_TYPE: req.workload_type})
+        try:
+            decision = self._decide(req)
+            span.set_attribute("scheduler.nodes_visited", decision.visited)
+            if decision.node_id is not None:
+                span.set_attribute(tracing.NODE_ID, decision.node_id)
+            else:
+                span.set_attribute("scheduler.placement_refused", decision.reason[:1000])
+            return decision
+        finally:
+            span.end()
+
+    def _decide(self, req: PlacementRequest) -> PlacementDecision:
         self.reservations.prune(self.clock.monotonic())
         # thread CPU time: wall time here would mostly measure waits for the GIL
         started = time.thread_time()

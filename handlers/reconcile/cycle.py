@@ -151,7 +151,8 @@ class ReconcileLoop(LoopShell):
             self._drift_due = False
             ok = False
             try:
-                await self._cycle(report, now or self.clock.now())
+                with self.tracing.cycle(report):
+                    await self._cycle(report, now or self.clock.now())
                 ok = True
             finally:
                 self.book.finish(report, time.perf_counter() - started, ok=ok)
@@ -163,21 +164,27 @@ class ReconcileLoop(LoopShell):
         started = time.perf_counter()
         views = self.node_views()
         targets = self.planning.targets(views)
-        observations = await self.planning.prefetch(targets, report)
-        if report.drift:
-            # after the listing: what an agent listed was committed before it was listed
-            report.drift = await self.planning.fresh_for_drift()
+        tracing = self.tracing
+        tracing.choose(v.node_id for v in targets)
+        with tracing.phase("prefetch"):
+            observations = await self.planning.prefetch(targets, report)
+            if report.drift:
+                # after the listing: what an agent listed was committed before it was listed
+                report.drift = await self.planning.fresh_for_drift()
         planning = time.perf_counter()
         report.nodes_listed = len(targets)
         report.unreachable = sorted(n for n, o in observations.items() if o.unreachable)
-        await self.planning.mark_unreachable(report.unreachable, views, observations, now)
-        await self.planning.probe_held(views, report.unreachable, report, now)
-        plan, findings = await self.planning.plan(views, observations, report, now)
+        with tracing.phase("plan"):
+            await self.planning.mark_unreachable(report.unreachable, views, observations, now)
+            await self.planning.probe_held(views, report.unreachable, report, now)
+            plan, findings = await self.planning.plan(views, observations, report, now)
         report.actions = plan.counts()
         acting = time.perf_counter()
-        results = await self._execute(plan, views, report, now)
+        with tracing.phase("act"):
+            results = await self._execute(plan, views, report, now)
         if findings:
-            await self.remediation.remediate(findings, results, views, report, now)
+            with tracing.phase("remediate"), tracing.untraced():
+                await self.remediation.remediate(findings, results, views, report, now)
         self.book.record_phases(report, {"prefetch": planning - started,
                                          "plan": acting - planning,
                                          "act": time.perf_counter() - acting})
@@ -189,7 +196,8 @@ class ReconcileLoop(LoopShell):
         self.book.count_idle(plan)
 
         async def one(action: Action) -> None:
-            ok = await self._act(action, views, report, now)
+            with self.tracing.action(action):
+                ok = await self._act(action, views, report, now)
             results[action.workload_id] = (action.kind, ok, action.node_id)
             self.book.count_result(report, action.kind, ok)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from opentelemetry.trace import Tracer
+
 from eventsource.clock import Clock
 from eventsource.commit import Committer
 from eventsource.keys import KeyLayout
@@ -40,3 +42,5 @@ class SchedulerParts(Protocol):
     dispatcher: Dispatcher
     workloads: WorkloadCommands
     relocator: Relocator
+    #: None when traces are not exported
+    tracer: Tracer | None

@@ -174,8 +174,9 @@ class CyclePlanning:
             node_id = view.node_id
             report.rpcs["ListWorkloads"] += 1
             try:
-                raw = await self.agents.list_workloads_raw(node_id, view.endpoint,
-                                                           leader_only=True)
+                with self.shell.tracing.node(node_id):
+                    raw = await self.agents.list_workloads_raw(node_id, view.endpoint,
+                                                               leader_only=True)
             except AgentError as exc:
                 observations[node_id] = NodeObservation(
                     node_id, ok=False, unreachable=exc.unreachable, error=str(exc))
@@ -245,9 +246,10 @@ class CyclePlanning:
         ``views`` then show it so, and its workloads fail over in this cycle's plan."""
 
         async def lost(node_id: str) -> None:
-            await self.shell.mark_not_ready(
-                node_id, now=now, source="reconciler",
-                reason=f"agent unreachable: {observations[node_id].error}")
+            with self.shell.tracing.on_node(node_id):
+                await self.shell.mark_not_ready(
+                    node_id, now=now, source="reconciler",
+                    reason=f"agent unreachable: {observations[node_id].error}")
             old = views[node_id]
             views[node_id] = NodeView(node_id, old.exists, NOT_READY, old.alive, old.endpoint)
 

@@ -25,6 +25,7 @@ from handlers.nodes.statuses import READY
 from handlers.reconcile.disruption import EvictionDecision, EvictionGate
 from handlers.reconcile.parts import SchedulerParts
 from handlers.reconcile.planner.inputs import MONITORED_NODE_STATUSES, NodeView, node_view
+from handlers.reconcile.tracing import CycleTracing
 from handlers.workloads.retry import RetryPolicy
 from handlers.writes.cas import NotFound
 
@@ -93,6 +94,8 @@ class LoopShell:
         self.layout = s.layout
         self.policy = policy_from(s.settings)
         self.concurrency = s.settings.reconcile_concurrency
+        #: the cycle's spans (no-ops when traces are off)
+        self.tracing = CycleTracing(s.tracer, s.settings.trace_reconcile_nodes)
 
     def _paused(self) -> str:
         if not self.leader.is_leader:

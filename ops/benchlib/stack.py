@@ -95,6 +95,10 @@ class StackOptions:
     lease_ttl_s: int = 15
     #: Node ids are ``f"{node_prefix}{i:05d}"``; against an existing scheduler, unique per run.
     node_prefix: str = DEFAULT_NODE_PREFIX
+    #: Where the started schedulers export traces (OTEL_EXPORTER_OTLP_ENDPOINT); "jaeger":
+    #: a private Jaeger the stack starts (``ops.jaeger``); "": no export (the tracing
+    #: variables of the bench's own environment are not passed on either).
+    trace_endpoint: str = ""
 
     @property
     def external(self) -> bool:
@@ -140,6 +144,9 @@ class Stack:
         self.fleet: Any = None  # ops.sim.fleet.Fleet when in process (imported lazily)
         self._etcd: EtcdProcess | None = None
         self._redis: RedisProcess | None = None
+        self._jaeger: Any = None  # ops.jaeger.JaegerProcess (imported lazily)
+        #: what the schedulers were told to export to ("" when off)
+        self.trace_endpoint = ""
         self._failed = False
         #: Ports handed to children (some maybe not bound yet).
         self._ports: set[int] = set()
@@ -173,12 +180,25 @@ class Stack:
         self.etcd_url = self._etcd.url
         self._redis = RedisProcess()
         self._redis.start(self.workdir / "redis", appendonly=True)
+        self.trace_endpoint = self.options.trace_endpoint
+        if self.trace_endpoint == "jaeger":
+            from ops.jaeger import JaegerProcess, find_jaeger_binary
+
+            binary = find_jaeger_binary()
+            if binary is None:
+                raise StackError("--trace-endpoint jaeger: no Jaeger binary; build it with "
+                                 "python -m ops.jaeger --build")
+            self._jaeger = JaegerProcess(binary).start(self.workdir / "jaeger")
+            self.trace_endpoint = self._jaeger.otlp_endpoint
 
     def _scheduler_env(self, index: int, grpc_port: int, metrics_port: int) -> dict[str, str]:
         o = self.options
         assert self._etcd is not None
         assert self._redis is not None
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SCHEDULER_", "ETCD_"))}
+        # the tracing variables too: a run without --trace-endpoint exports nothing
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SCHEDULER_", "ETCD_", "OTEL_EXPORTER_OTLP_"))
+               and k != "JAEGER_ENDPOINT"}
         env.update({
             "GRPC_PORT": str(grpc_port),
             "METRICS_PORT": str(metrics_port),
@@ -194,6 +214,8 @@ class Stack:
             "LOG_LEVEL": "warning",
             "PYTHONUNBUFFERED": "1",
         })
+        if self.trace_endpoint:
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = self.trace_endpoint
         if o.ha == "shards" and o.replicas > 1:
             env.update({
                 "SCHEDULER_HA_MODE": "active-active",
@@ -414,6 +436,8 @@ class Stack:
             pids["etcd"] = self._etcd.pid
         if self._redis is not None and self._redis.pid is not None:
             pids["redis"] = self._redis.pid
+        if self._jaeger is not None and self._jaeger.proc is not None:
+            pids["jaeger"] = self._jaeger.proc.pid
         pids["bench" if self.fleet is None else "bench+sim"] = os.getpid()
         return pids
 
@@ -434,7 +458,7 @@ class Stack:
             child.terminate()
         for child in children:
             child.wait_or_kill(20.0)
-        for server in (self._redis, self._etcd):
+        for server in (self._redis, self._etcd, self._jaeger):
             if server is not None:
                 server.stop()
         if self._failed or self.options.keep:

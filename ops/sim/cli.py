@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import resource
 import signal
 from pathlib import Path
@@ -154,6 +155,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="log a one-line summary this often (default 10; 0: never)",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed for jitter and failures")
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get("PERSYS_OTLP_ENDPOINT", ""),
+        metavar="HOST:PORT|URL",
+        help="export the agents' server spans over OTLP/HTTP, under the scheduler's spans "
+             "(default $PERSYS_OTLP_ENDPOINT, the Go agent's variable; empty: off)",
+    )
 
 
 def _raise_fd_limit(nodes: int) -> None:
@@ -194,6 +202,7 @@ async def run_sim(args: argparse.Namespace) -> int:
         control_channels=args.control_channels,
         seed=args.seed,
         tls=_read_tls(args.tls),
+        otlp_endpoint=args.otlp_endpoint,
     )
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()

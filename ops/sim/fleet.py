@@ -22,6 +22,7 @@ from ops.sim.config import NodeBehaviour, SimTls
 from ops.sim.control import ControlLoop
 from ops.sim.counters import FleetCounters
 from ops.sim.node import SimNode
+from ops.sim.tracing import SimTracing
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class Fleet:
         rpc_timeout_s: deadline of each control RPC.
         seed: seeds jitter and failure draws.
         tls: mTLS for the nodes' servers and the channels to the scheduler (None: plaintext).
+        otlp_endpoint: export the nodes' server spans there (OTLP/HTTP, ``host:port`` or a
+            URL; "" exports nothing), under the scheduler's spans (``ops.sim.tracing``).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Fleet:
         rpc_timeout_s: float = 10.0,
         seed: int | None = None,
         tls: SimTls | None = None,
+        otlp_endpoint: str = "",
     ) -> None:
         if concurrency is None:
             concurrency = count
@@ -104,6 +108,8 @@ class Fleet:
         )
         default = behaviour if behaviour is not None else NodeBehaviour()
         overrides = behaviours or {}
+        self.tracing = SimTracing(otlp_endpoint)
+        interceptors = self.tracing.interceptors()
         nodes: list[SimNode] = []
         for i in range(first, first + count):
             node_id = f"{prefix}{i:05d}"
@@ -115,6 +121,7 @@ class Fleet:
                 rng=self._rng,
                 on_restart=self._on_restart,
                 tls=tls,
+                interceptors=interceptors,
             )
             node.control.slot = i % control_channels
             nodes.append(node)
@@ -175,6 +182,7 @@ class Fleet:
         for i in range(0, len(self._nodes), self._start_batch):
             await asyncio.gather(*(n.close() for n in self._nodes[i : i + self._start_batch]))
         await self._control.close_channels()
+        await self.tracing.aclose()
 
     async def wait_registered(self) -> None:
         """Return once every running node is registered (wrap it in ``asyncio.timeout``)."""

@@ -14,13 +14,15 @@ import contextlib
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
+from opentelemetry import trace
 
+from eventsource.tracing import NODE_ID, WORKLOAD_ID
 from ops.sim.clock import DueHeap
 from ops.sim.config import NodeBehaviour, SimTls
 from ops.sim.counters import FleetCounters
@@ -94,10 +96,13 @@ class SimNode(SimRuntime, agent_pb2_grpc.AgentServiceServicer):
         rng: random.Random,
         on_restart: Callable[[SimNode], None] | None = None,
         tls: SimTls | None = None,
+        interceptors: Sequence[Any] = (),
     ) -> None:
         super().__init__(behaviour, clock=clock, rng=rng)
         self.node_id = node_id
         self._tls = tls
+        #: the tracing interceptors of its server (``ops.sim.tracing``; none: untraced)
+        self._interceptors = list(interceptors)
         self.control = ControlState()
         #: Port of the node's server; kept across crash()/restart(). 0 until started.
         self.port = 0
@@ -124,7 +129,8 @@ class SimNode(SimRuntime, agent_pb2_grpc.AgentServiceServicer):
         """Bind (port 0 the first time, the same port afterwards) and start; return the port."""
         if self._server is not None:
             raise RuntimeError(f"{self.node_id} is already running")
-        server = grpc.aio.server(options=_SERVER_OPTIONS)
+        server = grpc.aio.server(options=_SERVER_OPTIONS,
+                                 interceptors=self._interceptors or None)
         agent_pb2_grpc.add_AgentServiceServicer_to_server(self, server)  # type: ignore[no-untyped-call]
         try:
             address = f"{HOST}:{self.port}"
@@ -236,6 +242,12 @@ class SimNode(SimRuntime, agent_pb2_grpc.AgentServiceServicer):
     async def _admit(self, method: str, context: Any) -> int | None:
         """Count the call, refuse it if it names another node, return its leader term."""
         self._counters.rpcs[method] += 1
+        if self._interceptors:
+            span = trace.get_current_span()
+            if span.is_recording():
+                # named as a Go agent's otelgrpc names it (no leading slash)
+                span.update_name(f"persys.agent.v1.AgentService/{method}")
+                span.set_attribute(NODE_ID, self.node_id)
         term: int | None = None
         for key, value in context.invocation_metadata() or ():
             if key == INSTANCE_ID_METADATA:
@@ -260,6 +272,8 @@ class SimNode(SimRuntime, agent_pb2_grpc.AgentServiceServicer):
         self, request: agent_pb2.ApplyWorkloadRequest, context: Any
     ) -> agent_pb2.ApplyWorkloadResponse:
         term = await self._admit("ApplyWorkload", context)
+        if self._interceptors:
+            trace.get_current_span().set_attribute(WORKLOAD_ID, request.id)
         self._max_term = self._counters.record_apply(term, self._max_term)
         return self._apply(request)
 
