@@ -58,7 +58,8 @@ class GrpcEndpoint:
     def __init__(self, settings: Settings, metrics: Metrics, servicer: ControlServicer, *,
                  tracing: Sequence[Any] = ()) -> None:
         self.settings = settings
-        #: the tracing interceptors, outside every other one (none when traces are off)
+        #: the tracing interceptors: the server span outermost, the call attributes within
+        #: (none when traces are off)
         self.tracing = list(tracing)
         self.metrics = metrics
         self.servicer = servicer
@@ -100,14 +101,19 @@ class GrpcEndpoint:
             await server.stop(None)
 
     def _build(self) -> grpc.aio.Server:
+        # the first is the outermost: the server span, the metrics (every call counted, a
+        # malformed one too), the body decoded (``RequestDecoding``: a malformed one answered
+        # INVALID_ARGUMENT), what reads the decoded request (the call attributes, so a refused
+        # call's span still names its workload), then the certificate check
+        span, within = self.tracing[:1], self.tracing[1:]
         interceptors: list[grpc.aio.ServerInterceptor] = [
-            *self.tracing, ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration)]
+            *span, ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration),
+            RequestDecoding(), *within]
         if not self.settings.insecure:
             refused = self.metrics.calls_refused
             interceptors.append(AgentRoleInterceptor(
                 self.settings.agent_cert_names, lambda method: refused.labels(method).inc(),
                 self.settings.operator_cert_names))
-        interceptors.append(RequestDecoding())  # innermost: it decodes the request
         server = grpc.aio.server(options=SERVER_OPTIONS + connection_options(self.settings),
                                  interceptors=interceptors)
         control_pb2_grpc.add_AgentControlServicer_to_server(  # type: ignore[no-untyped-call]
