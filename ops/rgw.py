@@ -31,6 +31,7 @@ This module imports nothing from the rest of the project except ``ops.devstack``
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -313,6 +314,11 @@ rgw init timeout = 120
                 return bool(resp.status == 200)
         except (urllib.error.URLError, OSError):
             return False
+        except http.client.HTTPException as exc:
+            # something else took the port between our choice and radosgw's bind (an HTTP/2
+            # server answers with a frame): say so instead of a protocol error
+            raise ServerStartError(f"port {self.rgw_port} answers, but not as radosgw: "
+                                   f"{type(exc).__name__}\n{self.log_tail()}") from exc
 
     def _wait(self, probe: Callable[[], bool], deadline: float, what: str) -> None:
         delay = 0.05

@@ -32,6 +32,7 @@ from ops.benchlib.stack import Stack, StackOptions
 from ops.benchlib.stages import describe_stages, describe_storage
 from ops.cli import build_parser
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc
+from tests.fixtures.waiting import wait_for_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -521,16 +522,16 @@ def go_standin():
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
         started.append(proc)
-        deadline = time.monotonic() + 20
-        while True:
+        def serving() -> bool:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                             timeout=1):
-                    break
+                    return True
             except OSError:
                 assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline, "the stand-in did not start"
-                time.sleep(0.1)
+                return False
+
+        wait_for_sync(serving, timeout=20, interval=0.1, message="the stand-in did not start")
         return f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}", proc.pid
 
     started: list[subprocess.Popen] = []
