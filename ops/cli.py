@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 from handlers.app.logs import configure_logging
-from handlers.settings.config import ConfigError, Settings, load_settings, require_tls_files
+from handlers.settings.config import Settings, load_settings, require_tls_files
+from handlers.settings.reader import ConfigError
 
 
 def _stop_event() -> asyncio.Event:

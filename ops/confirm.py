@@ -20,7 +20,8 @@ from eventsource.errors import StoreError
 from eventsource.etcd import AsyncEtcd, Compare, Delete
 from eventsource.keys import KeyLayout
 from handlers.cluster.supervisor import has_state
-from handlers.settings.config import ConfigError, etcd_tls_from_env
+from handlers.settings.config import etcd_tls_from_env
+from handlers.settings.reader import ConfigError
 
 
 def add_confirm_arguments(parser: argparse.ArgumentParser) -> None:

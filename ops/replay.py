@@ -27,7 +27,8 @@ from eventsource.metrics import Metrics
 from eventsource.stream.clients import redis_url, writer_client
 from eventsource.stream.errors import StreamError
 from eventsource.stream.eventlog import RedisEventLog
-from handlers.settings.config import ConfigError, etcd_tls_from_env
+from handlers.settings.config import etcd_tls_from_env
+from handlers.settings.reader import ConfigError
 from projections.cluster import ClusterProjection
 from projections.event_views import EventView
 

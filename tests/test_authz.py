@@ -16,7 +16,8 @@ from handlers.identity.authz import (
     refuse_heartbeat,
     refuse_registration,
 )
-from handlers.settings.config import ConfigError, load_settings
+from handlers.settings.config import load_settings
+from handlers.settings.reader import ConfigError
 
 AGENT = Caller.from_auth_context({
     "x509_common_name": [b"compute-agent"],

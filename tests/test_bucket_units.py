@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from handlers.settings.buckets import load_buckets_config
-from handlers.settings.config import ConfigError
+from handlers.settings.reader import ConfigError
 from handlers.storage.buckets.model import BucketError
 from handlers.storage.buckets.rgw import canonical_query
 from handlers.storage.buckets.validation import bucket_name, user_for

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from handlers.agents.pool import is_handshake_failure
 from handlers.cluster.certificates import load_cert_config, rotate_at
-from handlers.settings.config import ConfigError
+from handlers.settings.reader import ConfigError
 
 # -- pure parts ---------------------------------------------------------------------------------
 

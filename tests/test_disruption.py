@@ -25,7 +25,8 @@ from handlers.reconcile.disruption import (
 )
 from handlers.reconcile.planner.inputs import NodeView
 from handlers.reconcile.planner.workload import AWAIT_EVICTION, AWAIT_NODE, FAILOVER, plan_workload
-from handlers.settings.config import ConfigError, load_settings
+from handlers.settings.config import load_settings
+from handlers.settings.reader import ConfigError
 from handlers.workloads.retry import RetryPolicy
 from tests.fixtures.harness import make_settings
 from tests.fixtures.reconcile import QUIET, Stack, stack

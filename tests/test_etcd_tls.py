@@ -13,7 +13,8 @@ from eventsource.errors import StoreError
 from eventsource.etcd import AsyncEtcd, Put
 from eventsource.etcdtls import EtcdTls
 from eventsource.watch import WatchStream
-from handlers.settings.config import ConfigError, load_settings
+from handlers.settings.config import load_settings
+from handlers.settings.reader import ConfigError
 from ops.devstack.etcd import EtcdProcess
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.certs import TestCA

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from handlers.app.eventloop import loop_factory, run
-from handlers.settings.config import ConfigError, load_settings
+from handlers.settings.config import load_settings
+from handlers.settings.reader import ConfigError
 
 
 def test_the_setting_defaults_to_uvloop_and_names_a_bad_value() -> None:

@@ -34,7 +34,8 @@ from eventsource.stream.tailer import StreamTailer
 from handlers.api.events import EventService
 from handlers.app.server import Scheduler
 from handlers.nodes.usage import heartbeat_key_prefix
-from handlers.settings.config import ConfigError, Settings, load_settings
+from handlers.settings.config import Settings, load_settings
+from handlers.settings.reader import ConfigError
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import control_stub, make_settings, running_scheduler, serving_fleet
 from tests.fixtures.sentinel import MASTER_NAME, SentinelGroup

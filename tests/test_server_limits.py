@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from handlers.app.grpc_limits import connection_options
-from handlers.settings.config import ConfigError, Settings, load_settings
+from handlers.settings.config import Settings, load_settings
+from handlers.settings.reader import ConfigError
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import control_stub, make_settings, running_scheduler
 from tests.fixtures.waiting import wait_for

@@ -21,7 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from handlers.settings.config import ConfigError, load_settings
+from handlers.settings.config import load_settings
+from handlers.settings.reader import ConfigError
 from ops.cli import run_replica
 from ops.devstack.etcd import EtcdProcess
 from ops.devstack.etcdapi import etcd_revision

@@ -19,7 +19,8 @@ from opentelemetry import trace as otel_trace
 from eventsource.events import Event, entry_data
 from eventsource.tracing import parent_of, trace_id_of
 from handlers.reconcile.registration import loops_of
-from handlers.settings.config import ConfigError, load_settings
+from handlers.settings.config import load_settings
+from handlers.settings.reader import ConfigError
 from ops.jaeger import JaegerProcess, build_jaeger, find_jaeger_binary
 from ops.sim.config import SimTls
 from proto.persys.control.v1 import control_pb2 as pb

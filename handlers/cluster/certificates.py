@@ -44,7 +44,8 @@ from eventsource.metrics import Metrics
 from eventsource.racing import race
 from handlers.cluster.tls import unusable
 from handlers.settings.buckets import DEFAULT_APPROLE_MOUNT, VaultConfig
-from handlers.settings.config import ConfigError, Settings, parse_duration
+from handlers.settings.config import Settings
+from handlers.settings.reader import ConfigError, parse_duration
 from handlers.vault.client import VaultError, VaultKV
 
 __all__ = ["CertConfig", "CertManager", "IssuedCert", "build_cert_manager", "load_cert_config",

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from handlers.settings.config import ConfigError
+from handlers.settings.reader import ConfigError
 
 __all__ = ["BucketsConfig", "VaultConfig", "load_buckets_config", "load_vault_config"]
 

@@ -9,45 +9,17 @@ process refuses to start. Durations accept a Go duration string (``1m30s``) or i
 from __future__ import annotations
 
 import os
-import re
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from eventsource.etcdtls import EtcdTls
 from eventsource.stream.sentinel import Address, SentinelTarget, parse_sentinels
 from handlers.identity.authz import DEFAULT_AGENT_CERT_NAMES, NodeBinding
-
-
-class ConfigError(ValueError):
-    """An environment variable has an invalid value."""
-
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {
-    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0,
-}
-
-
-def parse_duration(name: str, text: str) -> float:
-    """Seconds from a Go duration (``90s``, ``1m30s``, ``24h``) or an integer of seconds."""
-    value = text.strip()
-    if re.fullmatch(r"-?\d+(\.\d+)?", value):
-        return float(value)
-    if not value:
-        raise ConfigError(f"{name}: empty duration")
-    pos = 0
-    total = 0.0
-    for match in _DURATION_PART.finditer(value):
-        if match.start() != pos:
-            break
-        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-        pos = match.end()
-    if pos != len(value):
-        raise ConfigError(f"{name}: {text!r} is not a duration (e.g. 30s, 5m, 24h, or seconds)")
-    return total
+from handlers.settings.reader import ConfigError, EnvReader
+from handlers.settings.tracing import trace_settings
 
 
 def default_instance_id() -> str:
@@ -243,136 +215,7 @@ class Settings:
 N = TypeVar("N", int, float)
 
 #: OTEL_TRACES_SAMPLER values (the OpenTelemetry specification's built-in samplers)
-TRACE_SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on",
-                  "parentbased_always_off", "parentbased_traceidratio")
-#: the path an OTLP/HTTP collector takes traces on
-OTLP_TRACES_PATH = "/v1/traces"
-
-
-def trace_endpoint_url(endpoint: str, *, insecure: bool, name: str = "OTEL_EXPORTER_OTLP_ENDPOINT",
-                       signal_url: bool = False) -> str:
-    """The OTLP/HTTP traces URL of an endpoint given as the Go version took it.
-
-    ``host:port`` (the Go form) gets ``http://`` when ``insecure`` (OTEL_EXPORTER_OTLP_INSECURE,
-    true by default), ``https://`` otherwise; a URL keeps its scheme. ``/v1/traces`` is added to
-    the path unless it already ends so, or ``signal_url`` says the URL is the traces URL itself
-    (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT). Raises ``ConfigError`` naming ``name``.
-    """
-    text = endpoint.strip()
-    if "://" not in text:
-        text = ("http://" if insecure else "https://") + text
-    scheme, _, rest = text.partition("://")
-    if scheme.lower() not in ("http", "https"):
-        raise ConfigError(f"{name}: {endpoint!r}: OTLP/HTTP needs an http:// or https:// URL "
-                          "(or host:port)")
-    host, slash, path = rest.partition("/")
-    if not host or host.startswith(":"):
-        raise ConfigError(f"{name}: {endpoint!r} names no host")
-    path = slash + path
-    if not signal_url and not path.rstrip("/").endswith(OTLP_TRACES_PATH):
-        path = path.rstrip("/") + OTLP_TRACES_PATH
-    return f"{scheme.lower()}://{host}{path or '/'}"
-
-
-def trace_settings(env: Mapping[str, str]) -> dict[str, Any]:
-    """The tracing fields of ``Settings`` from the Go variables and the standard ``OTEL_*``
-    ones; raises ``ConfigError`` naming the variable."""
-    r = _Reader(env)
-    insecure = r.flag("OTEL_EXPORTER_OTLP_INSECURE", True)
-    endpoint = ""
-    if r.flag("OTEL_SDK_DISABLED", False):
-        endpoint = ""
-    elif r.raw("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") is not None:
-        endpoint = trace_endpoint_url(r.text("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
-                                      insecure=insecure, signal_url=True,
-                                      name="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    else:
-        for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "JAEGER_ENDPOINT"):  # Go's order
-            value = r.raw(name)
-            if value is not None:
-                endpoint = trace_endpoint_url(value, insecure=insecure, name=name)
-                break
-    sampler = r.text("OTEL_TRACES_SAMPLER", "parentbased_always_on").lower()
-    if sampler not in TRACE_SAMPLERS:
-        raise ConfigError(f"OTEL_TRACES_SAMPLER: {sampler!r} is not one of "
-                          f"{', '.join(TRACE_SAMPLERS)}")
-    ratio = 1.0
-    if sampler.endswith("traceidratio"):
-        ratio = r.number("OTEL_TRACES_SAMPLER_ARG", 1.0, minimum=0.0, maximum=1.0)
-    return {
-        "trace_endpoint": endpoint,
-        "trace_service_name": r.text("OTEL_SERVICE_NAME", "persys-scheduler"),
-        "trace_sampler": sampler,
-        "trace_sampler_ratio": ratio,
-        "trace_reconcile_nodes": r.integer("SCHEDULER_TRACE_RECONCILE_NODES", 10, minimum=0,
-                                           maximum=100_000),
-    }
-
-
-def _convert(name: str, value: str, convert: Callable[[str], N], what: str) -> N:
-    try:
-        return convert(value)
-    except ValueError as exc:
-        raise ConfigError(f"{name}: {value!r} is not {what}") from exc
-
-
-class _Reader:
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = env
-
-    def raw(self, name: str) -> str | None:
-        value = self.env.get(name)
-        if value is None or value.strip() == "":
-            return None
-        return value.strip()
-
-    def text(self, name: str, default: str) -> str:
-        value = self.raw(name)
-        return default if value is None else value
-
-    def integer(self, name: str, default: int, *, minimum: int | None = None,
-            maximum: int | None = None) -> int:
-        value = self.raw(name)
-        if value is None:
-            return default
-        number = _convert(name, value, int, "an integer")
-        if minimum is not None and number < minimum:
-            raise ConfigError(f"{name}: {number} is below the minimum {minimum}")
-        if maximum is not None and number > maximum:
-            raise ConfigError(f"{name}: {number} is above the maximum {maximum}")
-        return number
-
-    def number(self, name: str, default: float, *, minimum: float, maximum: float) -> float:
-        value = self.raw(name)
-        if value is None:
-            return default
-        number = _convert(name, value, float, "a number")
-        if not minimum <= number <= maximum:  # NaN fails this too
-            raise ConfigError(f"{name}: {value!r} is outside {minimum:g}..{maximum:g}")
-        return number
-
-    def duration(self, name: str, default: float, *, allow_zero: bool = True) -> float:
-        value = self.raw(name)
-        if value is None:
-            return default
-        seconds = parse_duration(name, value)
-        if seconds < 0 or (seconds == 0 and not allow_zero):
-            raise ConfigError(f"{name}: {value!r} must be positive")
-        return seconds
-
-    def flag(self, name: str, default: bool) -> bool:
-        value = self.raw(name)
-        if value is None:
-            return default
-        lowered = value.lower()
-        if lowered in ("true", "1", "yes"):
-            return True
-        if lowered in ("false", "0", "no"):
-            return False
-        raise ConfigError(f"{name}: {value!r} is not a boolean (true/false)")
-
-
-def _etcd_tls_files(r: _Reader) -> tuple[str, str, str]:
+def _etcd_tls_files(r: EnvReader) -> tuple[str, str, str]:
     files = (r.text("SCHEDULER_ETCD_CA", ""), r.text("SCHEDULER_ETCD_CERT", ""),
              r.text("SCHEDULER_ETCD_KEY", ""))
     if bool(files[1]) != bool(files[2]):
@@ -388,7 +231,7 @@ def _etcd_tls_files(r: _Reader) -> tuple[str, str, str]:
 def etcd_tls_from_env(env: Mapping[str, str]) -> EtcdTls | None:
     """The etcd client TLS of ``SCHEDULER_ETCD_CA/_CERT/_KEY`` (for the ops commands that
     take ``--etcd``), or None; raises ``ConfigError`` naming the variable."""
-    files = _etcd_tls_files(_Reader(env))
+    files = _etcd_tls_files(EnvReader(env))
     return EtcdTls(*files) if any(files) else None
 
 
@@ -407,7 +250,7 @@ def require_tls_files(settings: Settings) -> None:
                               "issue it)")
 
 
-def _sentinels(r: _Reader) -> tuple[tuple[Address, ...], str, str]:
+def _sentinels(r: EnvReader) -> tuple[tuple[Address, ...], str, str]:
     """``REDIS_SENTINELS``, ``REDIS_SENTINEL_MASTER``, ``REDIS_SENTINEL_PASSWORD``, checked
     together (one without the others is a mistake, not a default)."""
     text = r.raw("REDIS_SENTINELS")
@@ -435,7 +278,7 @@ def _sentinels(r: _Reader) -> tuple[tuple[Address, ...], str, str]:
 
 def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings:
     """Read and validate every setting; raises ``ConfigError`` naming the variable."""
-    r = _Reader(env)
+    r = EnvReader(env)
     etcd_files = _etcd_tls_files(r)
     grpc_port = r.integer("GRPC_PORT", 8085, minimum=1, maximum=65535)
     endpoints = tuple(e.strip() for e in r.text("ETCD_ENDPOINTS", "localhost:2379").split(","))

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
 from handlers.app.tracing import build_provider, shutdown_provider
-from handlers.settings.config import trace_endpoint_url
+from handlers.settings.tracing import trace_endpoint_url
 
 #: the service name of the fleet's spans
 SIM_SERVICE_NAME = "persys-agent-sim"
