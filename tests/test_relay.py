@@ -9,18 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
-import pytest
-import redis.asyncio as aioredis
-
-from eventsource.commit import Committer
 from eventsource.election import observe_leader
-from eventsource.etcd import AsyncEtcd
 from eventsource.events import StreamEntry
-from eventsource.keys import KeyLayout
-from eventsource.metrics import Metrics
-from eventsource.stream.clients import writer_client
 from eventsource.stream.entries import id_key
 from eventsource.stream.eventlog import RedisEventLog
 from tests.fixtures.relay import (
@@ -34,58 +26,21 @@ from tests.fixtures.relay import (
     relayed,
     sample,
 )
+from tests.fixtures.relay_fixtures import (
+    committer,
+    etcd,
+    layout,
+    log,
+    metrics,
+    relays,
+    writer,
+)
 from tests.fixtures.waiting import wait_for
 
-
-@pytest.fixture
-async def etcd(etcd_server) -> AsyncIterator[AsyncEtcd]:
-    client = AsyncEtcd([etcd_server.url], timeout=3.0)
-    try:
-        yield client
-    finally:
-        client.close()
+__all__ = ["committer", "etcd", "layout", "log", "metrics", "relays", "writer"]
 
 
-@pytest.fixture
-def layout(key_root: str) -> KeyLayout:
-    return KeyLayout(root=key_root)
 
-
-@pytest.fixture
-def metrics() -> Metrics:
-    return Metrics()
-
-
-@pytest.fixture
-def committer(etcd, layout, metrics) -> Committer:
-    return Committer(etcd, layout, metrics, outbox_enabled=True)
-
-
-@pytest.fixture
-async def relays(etcd, layout, metrics) -> AsyncIterator[Harness]:
-    harness = Harness(etcd, layout, metrics)
-    try:
-        yield harness
-    finally:
-        await harness.close()
-
-
-@pytest.fixture
-async def writer(redis_server) -> AsyncIterator[aioredis.Redis]:
-    client = writer_client(redis_server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
-@pytest.fixture
-async def log(writer, stream_key) -> AsyncIterator[RedisEventLog]:
-    try:
-        yield RedisEventLog(writer, stream_key)
-    finally:
-        for key in [stream_key, *await writer.keys(f"{stream_key}:foreign:*")]:
-            await writer.delete(key)
 
 
 async def crash_after_second_append(relays: Harness, log: RedisEventLog, *, batch: int) -> None:
