@@ -358,11 +358,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
     async def SetNodeLabel(self, request: control_pb2.SetNodeLabelRequest,
                            context: grpc.aio.ServicerContext
                            ) -> control_pb2.SetNodeLabelResponse:
-        if not request.key.strip():
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
-        if request.key.strip() == "scheduler_shard":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "key: scheduler_shard is managed by the scheduler")
+        await self._check_label_key(context, request.key.strip())
         await self._check_label(context, "label", request.key.strip(), request.value)
 
         async def body(node_id: str) -> control_pb2.SetNodeLabelResponse:
@@ -376,11 +372,7 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
     async def DeleteNodeLabel(self, request: control_pb2.DeleteNodeLabelRequest,
                               context: grpc.aio.ServicerContext
                               ) -> control_pb2.DeleteNodeLabelResponse:
-        if not request.key.strip():
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
-        if request.key.strip() == "scheduler_shard":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "key: scheduler_shard is managed by the scheduler")
+        await self._check_label_key(context, request.key.strip())
         await self._check_label(context, "label", request.key.strip(), "")
 
         async def body(node_id: str) -> control_pb2.DeleteNodeLabelResponse:
@@ -390,6 +382,15 @@ class ControlServicer(control_pb2_grpc.AgentControlServicer):
         result: control_pb2.DeleteNodeLabelResponse = await self._node_control(
             context, request.node_id, body)
         return result
+
+    @staticmethod
+    async def _check_label_key(context: grpc.aio.ServicerContext, key: str) -> None:
+        """A label key an operator may set or delete: given, and not the scheduler's own."""
+        if not key:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "key: required")
+        if key == "scheduler_shard":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "key: scheduler_shard is managed by the scheduler")
 
     @staticmethod
     async def _check_label(context: grpc.aio.ServicerContext, field: str, key: str,

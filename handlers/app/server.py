@@ -51,6 +51,7 @@ from handlers.nodes.commands import NodeCommands
 from handlers.nodes.usage import UsageSink, heartbeat_key_prefix
 from handlers.placement.batcher import PlacementBatcher
 from handlers.placement.placer import Placer
+from handlers.reconcile.registration import register_loops
 from handlers.settings.config import Settings
 from handlers.storage.buckets.build import build_buckets
 from handlers.storage.disks import DiskCommands
@@ -190,8 +191,6 @@ class Scheduler:
         self.grpc = GrpcEndpoint(settings, self.metrics, self.servicer,
                                  tracing=self.tracing.server_interceptors())
         self.dns: DnsRegistration | None = None
-        from handlers.reconcile.registration import register_loops
-
         register_loops(self)
 
     @property
