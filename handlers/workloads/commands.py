@@ -5,13 +5,18 @@ Each command lives in its own module (``apply``, ``create``, ``update``, ``desir
 ``delete``, ``retry_command``) and validates, decides on this replica's projections, and
 commits the state change with its events in one CAS transaction (``eventsource.commit``).
 This module only wires them, with the ``Assigner`` and ``Relocator`` they share with the
-node commands and the reconcile loop.
+node commands and the reconcile loop, and gives their answers read-your-writes: a command
+that wrote answers once this replica's workload projections show its revision, so a
+``GetWorkload`` right after a ``DeleteWorkload`` reads ``Deleting``, not the state before.
 """
 
 from __future__ import annotations
 
+import logging
+
 from eventsource.clock import Clock
 from eventsource.commit import Committer
+from eventsource.errors import StoreError
 from eventsource.keys import KeyLayout
 from handlers.cluster.modes import ModeState
 from handlers.placement.batcher import PlacementBatcher
@@ -30,6 +35,13 @@ from handlers.workloads.retry_command import RetryCommand
 from handlers.workloads.update import UpdateCommand
 from handlers.writes.cas import StateWriter
 from projections.cluster import ClusterProjection
+
+log = logging.getLogger("persys.workloads")
+
+#: how long an answer waits for its write to reach this replica's projections; the write is
+#: committed either way, so a projection that lags longer (an etcd watch reconnecting) only
+#: costs the caller a read that may still show the state before it
+SETTLE_TIMEOUT_S = 2.0
 
 
 class WorkloadCommands:
@@ -74,12 +86,23 @@ class WorkloadCommands:
 
     async def apply(self, parsed: ParsedApply) -> Outcome:
         """ApplyWorkload (``apply.ApplyCommand``)."""
-        return await self.apply_command.run(parsed)
+        return await self._settled(await self.apply_command.run(parsed))
 
     async def delete(self, workload_id: str) -> Outcome:
         """DeleteWorkload (``delete.DeleteCommand``)."""
-        return await self.delete_command.run(workload_id)
+        return await self._settled(await self.delete_command.run(workload_id))
 
     async def retry(self, workload_id: str) -> Outcome:
         """RetryWorkload (``retry_command.RetryCommand``)."""
         return await self.retry_command.run(workload_id)
+
+    async def _settled(self, outcome: Outcome) -> Outcome:
+        """The answer, once the specs and statuses projections show the revision it wrote."""
+        if outcome.revision:
+            try:
+                await self.cluster.wait_for(outcome.revision, timeout=SETTLE_TIMEOUT_S,
+                                            which=("specs", "statuses"))
+            except StoreError as exc:
+                log.warning("answering before the projections show revision %d: %s",
+                            outcome.revision, exc)
+        return outcome

@@ -9,6 +9,7 @@ workload's status and events), so a caller cancelled at its deadline does not ta
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer
@@ -136,7 +137,7 @@ class CreateCommand:
             raise
         log.debug("workload placed workload_id=%s node_id=%s revision=%d reason=%r",
                   spec.id, placed.node_id, revision, placed.reason)
-        return Outcome(True, node_id=placed.node_id, message=placed.reason)
+        return Outcome(True, node_id=placed.node_id, message=placed.reason, revision=revision)
 
     async def _store_pending(self, spec: WorkloadSpec, status: WorkloadStatus,
                              refused: Outcome, *, with_disks: bool) -> Outcome:
@@ -160,15 +161,16 @@ class CreateCommand:
                   Put(self.layout.status(spec.id), status_bytes, category="status")],
             events=[event] if event is not None else [])
         try:
-            await self.committer.commit(change)
+            revision = (await self.committer.commit(change)).revision
         except Conflict as exc:
             await catch_up(self.cluster, exc)
             raise
         except OutcomeUnknown:
             status_key = self.layout.status(spec.id)
-            if not await self.readback.resolve(
-                    lambda: self.readback.created(status_key, status_bytes),
-                    lambda revision: None, what=f"pending store of {spec.id}"):
+            revision = await self.readback.resolve(
+                lambda: self.readback.created(status_key, status_bytes),
+                lambda revision: None, what=f"pending store of {spec.id}")
+            if not revision:
                 raise
         log.info("workload stored pending workload_id=%s reason=%r", spec.id, refused.message)
-        return pending_answer(refused.message)
+        return replace(pending_answer(refused.message), revision=revision)

@@ -68,6 +68,6 @@ class DeleteCommand:
                 await catch_up(self.cluster, exc)
                 raise
             self.dispatcher.delete(workload_id, status.node_id, after=committed.revision)
-            return Outcome(True, message="delete requested")
+            return Outcome(True, message="delete requested", revision=committed.revision)
 
         return await retry_on_conflict(attempt)

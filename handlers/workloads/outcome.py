@@ -25,6 +25,9 @@ class Outcome:
     node_id: str = ""
     #: no node could take the workload (the answer may still say it was stored Pending)
     unplaced: bool = False
+    #: the etcd revision that committed the change (0: nothing written); the answer waits
+    #: until this replica's projections show it, so the caller's next read sees its write
+    revision: int = 0
 
 
 def refused_while_frozen(mode: ModeState) -> Outcome | None:

@@ -8,6 +8,8 @@ place it again when it has none; the agent apply goes out from the commit itself
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from eventsource.clock import Clock
 from eventsource.commit import Change, Committer
 from eventsource.errors import Conflict, OutcomeUnknown
@@ -134,8 +136,9 @@ class UpdateCommand:
                                       spec.desired_state, after=revision)
 
         try:
-            await self.committer.commit(Change(kind="workload", compares=compares, puts=puts,
-                                               events=events), on_commit=dispatch)
+            revision = (await self.committer.commit(
+                Change(kind="workload", compares=compares, puts=puts, events=events),
+                on_commit=dispatch)).revision
         except Conflict as exc:
             await catch_up(self.cluster, exc)
             raise
@@ -143,11 +146,14 @@ class UpdateCommand:
             # etcd may have applied it (its answer was lost): read back before answering
             spec_key, spec_bytes, before = (self.layout.spec(spec.id), stored[0],
                                             spec_item.mod_revision)
-            if not await self.readback.resolve(
-                    lambda: self.readback.holds(spec_key, spec_bytes, after=before),
-                    dispatch, what=f"update of {spec.id}"):
+            revision = await self.readback.resolve(
+                lambda: self.readback.holds(spec_key, spec_bytes, after=before),
+                dispatch, what=f"update of {spec.id}")
+            if not revision:
                 raise
-        return pending or Outcome(True, node_id=status.node_id, message="updated")
+        if pending is not None:
+            return replace(pending, revision=revision)
+        return Outcome(True, node_id=status.node_id, message="updated", revision=revision)
 
     async def _take_new_spec(self, parsed: ParsedApply, old_spec: WorkloadSpec,
                              status: WorkloadStatus, now: str) -> WorkloadSpec | Outcome:
