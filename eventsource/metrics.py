@@ -154,6 +154,15 @@ class Metrics:
             "non-agent RPC, or speaking for a node it is not bound to), by RPC",
             ["method"], namespace=ns, subsystem=sub, registry=r,
         )
+        self.unread_answer_bytes = Gauge(
+            "grpc_unread_answer_bytes", "bytes of unary answers handed to gRPC and not yet "
+            "read by their callers", namespace=ns, subsystem=sub, registry=r,
+        )
+        self.calls_refused_unread = Counter(
+            "grpc_calls_refused_unread", "calls answered RESOURCE_EXHAUSTED because their "
+            "connection, or all callers, hold too many unread answers, by RPC",
+            ["method"], namespace=ns, subsystem=sub, registry=r,
+        )
         self.lease_keepalive_calls = Counter(
             "lease_keepalive_calls", "etcd gateway calls that renewed node liveness leases",
             namespace=ns, subsystem=sub, registry=r,

@@ -21,6 +21,7 @@ from handlers.api.access import AgentRoleInterceptor
 from handlers.api.decoding import RequestDecoding
 from handlers.api.metrics import ServerMetrics
 from handlers.api.servicer import ControlServicer
+from handlers.api.unread import UnreadAnswers, UnreadLedger
 from handlers.app.grpc_limits import connection_options
 from handlers.app.start_errors import bind_problem, listen_error
 from handlers.cluster.tls import ServerCertificates
@@ -64,6 +65,10 @@ class GrpcEndpoint:
         self.metrics = metrics
         self.servicer = servicer
         self.health_servicer = health.aio.HealthServicer()
+        #: unary answers handed to gRPC and not yet read, by connection
+        self.unread = UnreadLedger(settings.grpc_max_unread_bytes_per_connection,
+                                   settings.grpc_max_unread_bytes)
+        metrics.unread_answer_bytes.set_function(lambda: self.unread.held)
         #: the server while it serves (``serve`` to ``stop``)
         self.server: grpc.aio.Server | None = None
         #: the server between taking its port and serving (``bind`` to ``serve``)
@@ -102,12 +107,16 @@ class GrpcEndpoint:
 
     def _build(self) -> grpc.aio.Server:
         # the first is the outermost: the server span, the metrics (every call counted, a
-        # malformed one too), the body decoded (``RequestDecoding``: a malformed one answered
-        # INVALID_ARGUMENT), what reads the decoded request (the call attributes, so a refused
-        # call's span still names its workload), then the certificate check
+        # malformed one too), the unread answers counted (``UnreadAnswers``: a caller
+        # holding too many is refused before any work), the body decoded
+        # (``RequestDecoding``: a malformed one answered INVALID_ARGUMENT), what reads the
+        # decoded request (the call attributes, so a refused call's span still names its
+        # workload), then the certificate check
         span, within = self.tracing[:1], self.tracing[1:]
         interceptors: list[grpc.aio.ServerInterceptor] = [
             *span, ServerMetrics(self.metrics.grpc_requests, self.metrics.grpc_duration),
+            UnreadAnswers(self.unread,
+                          lambda method: self.metrics.calls_refused_unread.labels(method).inc()),
             RequestDecoding(), *within]
         if not self.settings.insecure:
             refused = self.metrics.calls_refused
@@ -115,7 +124,8 @@ class GrpcEndpoint:
                 self.settings.agent_cert_names, lambda method: refused.labels(method).inc(),
                 self.settings.operator_cert_names))
         server = grpc.aio.server(options=SERVER_OPTIONS + connection_options(self.settings),
-                                 interceptors=interceptors)
+                                 interceptors=interceptors,
+                                 maximum_concurrent_rpcs=self.settings.grpc_max_concurrent_rpcs)
         control_pb2_grpc.add_AgentControlServicer_to_server(  # type: ignore[no-untyped-call]
             self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)

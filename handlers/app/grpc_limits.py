@@ -19,6 +19,15 @@ own threads, before a call reaches this process's event loop:
   do not hold memory, nor, for longer than about 80 s, a caller that stopped reading its
   socket (the ping cannot reach it). Not covered (unmeasured): a caller that reads and answers
   pings but keeps its HTTP/2 flow-control window closed; its answers stay buffered.
+* ``SCHEDULER_GRPC_MAX_CONNECTIONS`` (16,384, ``grpc.max_allowed_incoming_connections``):
+  connections served at once; the core closes a new one past it at accept, before any TLS
+  (5,000 agents hold one each). ``SCHEDULER_GRPC_HANDSHAKE_TIMEOUT`` (20 s,
+  ``grpc.server_handshake_timeout_ms``, the core's default 2 min) bounds how long an accepted
+  connection may hold a slot without completing its TLS and HTTP/2 handshake.
+* ``SCHEDULER_GRPC_MAX_CONCURRENT_RPCS`` (32,768, grpc.aio's ``maximum_concurrent_rpcs``):
+  calls in handlers at once, WatchEvents streams and calls whose answer is not read yet
+  included; past it a call is answered RESOURCE_EXHAUSTED before any work. Unread answers are
+  bounded in bytes too (``handlers/api/unread.py``).
 * ``SCHEDULER_GRPC_MAX_CONNECTION_IDLE`` (30 min): a connection without calls is closed (an
   agent heartbeats every minute, so only abandoned connections reach it).
 * ``SCHEDULER_GRPC_MAX_CONNECTION_AGE`` (0, off) with ``..._GRACE`` (5 min): connections are
@@ -51,6 +60,8 @@ def connection_options(settings: Settings) -> tuple[tuple[str, Any], ...]:
         ("grpc.keepalive_time_ms", _ms(settings.grpc_keepalive_time_s)),
         ("grpc.keepalive_timeout_ms", _ms(settings.grpc_keepalive_timeout_s)),
         ("grpc.max_connection_idle_ms", _ms(settings.grpc_max_connection_idle_s)),
+        ("grpc.max_allowed_incoming_connections", settings.grpc_max_connections),
+        ("grpc.server_handshake_timeout_ms", _ms(settings.grpc_handshake_timeout_s)),
     ]
     if settings.grpc_max_connection_age_s > 0:
         options += [
