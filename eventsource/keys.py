@@ -116,6 +116,12 @@ class KeyLayout:
     def alive(self, node_id: str) -> str:
         return self._k(f"/persys/scheduler/alive/{node_id}")
 
+    def host_claim(self, host_key: str) -> str:
+        """The last node that joined an agent endpoint host (``HostIndex.key`` spelling):
+        every registration that adds a node to a host compares and rewrites it, so replicas
+        registering two new nodes at one host at once cannot both find it free."""
+        return self._k(f"/persys/scheduler/hosts/{host_key}")
+
     def leadership_record(self, label: str) -> str:
         """Who led a shard last (never under the election prefix, which Go ranges)."""
         return self._k(f"/persys/scheduler/leadership/{label}")

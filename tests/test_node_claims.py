@@ -179,3 +179,40 @@ def test_one_host_has_one_key() -> None:
     assert HostIndex.key("[::ffff:127.0.0.2]") == HostIndex.key("127.0.0.2") == "127.0.0.2"
     assert HostIndex.key("[0:0::1]") == HostIndex.key("::1")
     assert HostIndex.key("Agent-1.Example.com.") == "agent-1.example.com"
+
+
+async def test_two_replicas_cannot_both_add_a_node_to_one_host(
+        pki, etcd_server, redis_server, key_root, stream_key):  # noqa: F811
+    """Two new node ids at one host, registered at once through two replicas: each replica's
+    projections show the host free, and the host's claim key lets only one of them in."""
+    import asyncio
+    from dataclasses import replace
+
+    from tests.fixtures.harness import running_scheduler
+
+    s = settings_for(pki, etcd_server, redis_server, key_root, stream_key)
+    async with running_scheduler(replace(s, instance_id="replica-a")) as a, \
+            running_scheduler(replace(s, instance_id="replica-b")) as b:
+        channels = []
+        try:
+            callers = []
+            for sched in (a, b):
+                ch, evil = stub(f"127.0.0.1:{sched.grpc_port}", pki, pki.evil)
+                channels.append(ch)
+                callers.append(evil)
+            answers = await asyncio.gather(*(caller.RegisterNode(pb.RegisterNodeRequest(
+                node_id=f"racer-{i}", grpc_endpoint=f"127.0.0.2:{50051 + i}",
+                capabilities=CAPS), timeout=10) for i, caller in enumerate(callers)))
+            assert sorted(x.accepted for x in answers) == [False, True], [
+                x.reason for x in answers]
+            refused = next(x for x in answers if not x.accepted)
+            assert "SCHEDULER_NODES_PER_HOST" in refused.reason, refused.reason
+            winner = f"racer-{[x.accepted for x in answers].index(True)}"
+            for sched in (a, b):
+                await wait_for(lambda sched=sched: sched.cluster.nodes.get(winner) is not None,
+                               message="the winner in both replicas' projections")
+                assert [n for n in sched.cluster.nodes.items if n.startswith("racer-")] == [
+                    winner]
+        finally:
+            for ch in channels:
+                await ch.close()

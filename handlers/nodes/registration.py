@@ -119,6 +119,21 @@ class Registration:
         self.metrics = metrics
         self._host_locks = [asyncio.Lock() for _ in range(64)]
 
+    async def _host_claim(self, host: str) -> tuple[str, int]:
+        """The host's claim key and its mod revision, with the projections caught up to it.
+
+        Why read etcd: the claim is only read when a node joins a host (its first
+        registration, or after it was lost), so it has no projection; this replica's
+        projections must then show what the claim's last writer committed with it (the node
+        and its liveness key), or the live count would miss it.
+        """
+        key = self.layout.host_claim(HostIndex.key(host))
+        found = await self.committer.etcd.get(key)
+        revision = found.mod_revision if found is not None else 0
+        if revision:
+            await self.cluster.wait_for(revision, which=("nodes", "alive"), timeout=2.0)
+        return key, revision
+
     def _live_at(self, host: str) -> list[str]:
         """The live nodes (alive, not NotReady) whose agent endpoint is at ``host``."""
         out = []
@@ -165,6 +180,10 @@ class Registration:
         stamp = rfc3339(now)
 
         async def attempt(n: int) -> bool:
+            claim = None
+            if caller is not None and self.settings.node_binding is NodeBinding.ENDPOINT \
+                    and node_id not in self._live_at(host):
+                claim = await self._host_claim(host)
             item = self.cluster.nodes.get(node_id)
             previous = item.value if item else None
             if caller is not None:
@@ -260,6 +279,11 @@ class Registration:
                     details={"status": node.status, "agent_endpoint": endpoint,
                              "scheduler_shard": self.settings.shard_key},
                     timestamp=now))
+            if claim is not None:
+                # another replica adding a node to this host at once loses this compare and
+                # decides again on the nodes that joined it (the live count above)
+                change.compares.append(Compare.mod(claim[0], claim[1]))
+                change.puts.append(Put(claim[0], node_id.encode(), category="node"))
             await self.leases.ensure_alive(node_id, change)
             if not change.is_empty():
                 try:
