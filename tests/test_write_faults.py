@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from eventsource.etcd import b64
+from eventsource.records import WorkloadStatus, decode
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import container_spec, leading_fleet, make_settings
 from tests.fixtures.waiting import wait_for
@@ -358,8 +359,25 @@ async def test_an_agent_that_hangs_mid_apply_costs_a_timeout_and_nothing_else(
         placed = await wait_for(lambda: sched.cluster.statuses.get("w-hang"), timeout=5)
         hung = fleet.node(placed.value.node_id)
         other = next(n for n in fleet.nodes if n is not hung)
-        await wait_for(lambda: sched.cluster.statuses.get("w-hang").value.metadata.get(
-            "last_action") == "ApplyFailed", timeout=10, message="the timeout was not recorded")
+
+        async def timeout_recorded() -> bool:
+            # read from the status key's history in etcd: the reconcile loop's "no failover
+            # target" count rewrites the status each cycle, and a watch batch holding both
+            # writes never shows the first one in the projection
+            key = sched.layout.status("w-hang")
+            kv = await sched.etcd.get(key)
+            while kv is not None and kv.mod_revision > placed.mod_revision:
+                status = decode(WorkloadStatus, kv.value)
+                if (status.node_id == hung.node_id
+                        and status.metadata.get("last_action") == "ApplyFailed"
+                        and "DEADLINE_EXCEEDED" in str(status.metadata.get(
+                            "scheduler_last_error", ""))):
+                    return True
+                kv = await sched.etcd.get(key, revision=kv.mod_revision - 1)
+            return False
+
+        await wait_for(timeout_recorded, timeout=10, interval=0.2,
+                       message="the timeout was not recorded")
         for node in fleet.nodes:
             node.behaviour = NodeBehaviour(apply_latency_s=0.05)
         await wait_for(lambda: hung.workload_state("w-hang") == "Running", timeout=30,
