@@ -17,8 +17,9 @@ own threads, before a call reaches this process's event loop:
   pings every connection each ``SCHEDULER_GRPC_KEEPALIVE_TIME`` (1 min) and drops
   it when no answer comes within ``SCHEDULER_GRPC_KEEPALIVE_TIMEOUT`` (20 s), so dead peers
   do not hold memory, nor, for longer than about 80 s, a caller that stopped reading its
-  socket (the ping cannot reach it). Not covered (unmeasured): a caller that reads and answers
-  pings but keeps its HTTP/2 flow-control window closed; its answers stay buffered.
+  socket (the ping cannot reach it; tests/test_grpc_core_limits.py). A caller that reads and
+  answers pings but keeps its HTTP/2 flow-control window closed is bounded by the unread
+  answer limits instead (``handlers/api/unread.py``).
 * ``SCHEDULER_GRPC_MAX_CONNECTIONS`` (16,384, ``grpc.max_allowed_incoming_connections``):
   connections served at once; the core closes a new one past it at accept, before any TLS
   (5,000 agents hold one each). ``SCHEDULER_GRPC_HANDSHAKE_TIMEOUT`` (20 s,
