@@ -301,7 +301,8 @@ async def _resets(ctx: BenchContext, out: Outcome, size: int, until: float) -> N
             writer.write(bytes(batch))
             await writer.drain()
     except OSError as exc:
-        error = f"the connection failed while writing: {type(exc).__name__} {exc}"
+        error = (f"the connection failed while writing, after {sent} streams: "
+                 f"{type(exc).__name__} {exc}")
     wrote_s = time.monotonic() - began
     ctx.log(f"attack resets: {sent} streams opened and reset in {wrote_s:.1f}s"
             + (f"; GOAWAY after {goaway[0][0]}" if goaway else ""))
@@ -517,6 +518,9 @@ async def run(ctx: BenchContext) -> Outcome:
                                    duration + OVERRUN_S)
         except TimeoutError:
             out.note("attack_s", f"the attack was stopped {OVERRUN_S:g} s after its window")
+        # an attack over sooner (a connection the server closed) still has its whole window:
+        # the probe measures what it left behind
+        await asyncio.sleep(max(0.0, began + duration - time.monotonic()))
         out.figures["attack_s"] = round(time.monotonic() - began, 1)
         bounds.append(time.time())
         ctx.log(f"attack {kind}: over after {out.figures['attack_s']}s; after for {quiet:g}s")
