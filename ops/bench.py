@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.app.eventloop import run as run_loop
+from ops.benchlib.attack import ATTACKS, DEFAULT_SIZE
 from ops.benchlib.clients import ApiClients
 from ops.benchlib.profile import Profiler
 from ops.benchlib.registry import SCENARIOS
@@ -127,6 +128,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                       help="events: WatchEvents clients (default 20)")
     size.add_argument("--rate", type=_positive_float, default=200.0,
                       help="events: tagged events per second (default 200)")
+    hostile = parser.add_argument_group("attack: one hostile caller against the scheduler")
+    hostile.add_argument("--attack", choices=ATTACKS, default=None,
+                         help="attack: which hostile caller (required there): nonreading "
+                              "callers, stream resets, watchers, a heartbeat flood")
+    hostile.add_argument("--attack-size", type=_positive_int, default=None, metavar="N",
+                         help="attack: callers, streams, watchers or flood nodes (default: "
+                              + ", ".join(f"{k} {v:,}" for k, v in DEFAULT_SIZE.items()) + ")")
+    hostile.add_argument("--attack-duration", type=_positive_float, default=30.0, metavar="S",
+                         help="attack: how long the attack lasts at least (default 30)")
+    hostile.add_argument("--attack-quiet", type=_positive_float, default=10.0, metavar="S",
+                         help="attack: the probe's quiet baseline before and after the attack "
+                              "(default 10 each)")
     stack = parser.add_argument_group("the stack the bench starts")
     stack.add_argument("--heartbeat-interval", type=_positive_int, default=10, metavar="S",
                        help="SCHEDULER_HEARTBEAT_INTERVAL of the schedulers started (default 10)")
@@ -309,6 +322,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"persys-scheduler bench: {scenario.name} runs the fleet in one process: its "
               "double_applies compares every apply with the newest term any node has seen "
               "(--sim-processes must be 0 or 1)", file=sys.stderr)
+        return 2
+    if (scenario.name == "attack") != (args.attack is not None):
+        print("persys-scheduler bench: --attack KIND goes with the attack scenario, and only "
+              f"with it ({', '.join(ATTACKS)})", file=sys.stderr)
         return 2
     if args.metrics and args.scheduler and len(args.metrics) != len(args.scheduler):
         print("persys-scheduler bench: give one --metrics address per --scheduler address",

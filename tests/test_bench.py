@@ -192,6 +192,39 @@ def test_churn_contract():
     assert elapsed < 60
 
 
+@pytest.mark.parametrize("attack", [("resets", "500"), ("watchers", "20")])
+def test_attack_contract_and_the_probe_ran(attack: tuple[str, str]) -> None:
+    kind, size = attack
+    result, _ = run_bench("attack", "--attack", kind, "--attack-size", size, "--nodes", "3",
+                          "--heartbeat-interval", "1", "--attack-duration", "2",
+                          "--attack-quiet", "2")
+    assert set(result) == TOP_KEYS
+    assert (result["scenario"], result["workloads"]) == ("attack", 0)
+    assert set(result["figures"]) == set(SCENARIOS["attack"].figures)
+    figures, notes = result["figures"], result["notes"]
+    for key, value in figures.items():
+        assert value is not None or notes.get(key), f"{key} is null without a reason"
+    for phase in ("baseline", "during", "after"):  # the probe answered in every phase
+        assert figures[f"probe_{phase}_p99_ms"] is not None, notes
+        assert figures[f"probe_{phase}_timeouts"] == 0 or notes
+    assert figures["attack_size"] == int(size)
+    assert figures["scheduler_rss_peak_during_mib"] is not None  # the bench started it: pid known
+    if kind == "resets":
+        assert figures["attack_goaways"] is not None
+    else:
+        assert figures["attack_watchers_open"] is not None
+
+
+def test_attack_needs_its_kind(capsys) -> None:
+    from ops.bench import cmd_bench
+
+    args = build_parser().parse_args(["bench", "attack"])
+    assert cmd_bench(args) == 2
+    assert "--attack KIND" in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "place", "--attack", "resets"])
+    assert cmd_bench(args) == 2
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -7,10 +7,10 @@ docs/benchmark.md. Options it needs that ``ops/bench.py`` does not have yet go t
 
 from __future__ import annotations
 
-from ops.benchlib import churn, events, failover, pending, place, reconcile
+from ops.benchlib import attack, churn, events, failover, pending, place, reconcile
 from ops.benchlib.scenario import Scenario
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s for s in (place.SCENARIO, reconcile.SCENARIO, churn.SCENARIO, events.SCENARIO,
-                        failover.SCENARIO, pending.SCENARIO)
+                        failover.SCENARIO, pending.SCENARIO, attack.SCENARIO)
 }
