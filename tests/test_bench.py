@@ -690,6 +690,30 @@ def test_a_py_spy_profile_is_summed_by_own_and_inclusive_samples():
     assert inclusive == [("main", 10), ("loop", 9)]
 
 
+@pytest.mark.parametrize(("stack", "stage"), [
+    ("run (asyncio/runners.py:1);place (/src/handlers/placement/decision.py:9)", "decision"),
+    # the innermost scheduler frame decides: the dispatcher calling the etcd client is commit
+    ("_apply (/src/handlers/workloads/dispatch.py:3);txn (/src/eventsource/etcd.py:4)",
+     "commit and its JSON (etcd client)"),
+    ("x (/src/handlers/workloads/dispatch.py:3);call (grpc/aio/_call.py:4)",
+     "dispatch to agents"),
+    ("_fold (/src/projections/prefix.py:2)", "watch decode and projections"),
+    ("_view (/src/projections/events.py:2)", "event fan-out (stream reads, watchers)"),
+    ("_handle_rpc (grpc/_cython/_cygrpc/aio/server.pyx.pxi:7)",
+     "grpc's asyncio machinery (no scheduler frame)"),
+    ("select (selectors.py:1)", "event loop and other libraries (no scheduler frame)"),
+    ("main (ops/cli.py:1);run (handlers/app/eventloop.py:44)",
+     "event loop, uvloop and grpc's native code (no Python frame below the loop)"),
+])
+def test_a_profile_sample_is_charged_to_its_innermost_scheduler_stage(stack, stage):
+    from ops.benchlib.profile import stage_of, stage_shares
+
+    assert stage_of(stack.split(";")) == stage
+    total, shares = stage_shares(f"{stack} 3\nmain;select (selectors.py:1) 1\n")
+    assert total == 4
+    assert dict(shares)[stage] >= 3
+
+
 @pytest.mark.timeout(120)
 def test_place_with_a_profile_names_the_scheduler_functions(tmp_path):
     from ops.benchlib.profile import py_spy

@@ -25,6 +25,67 @@ from pathlib import Path
 RATE_HZ = 100
 TOP = 12
 
+#: Where a sample's CPU went, by the innermost scheduler module on its stack (first match in
+#: order): the stages the placement and event paths go through. A sample with no scheduler
+#: frame is grpc's own asyncio machinery or the event loop itself.
+STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("dispatch to agents", ("handlers/workloads/dispatch", "handlers/workloads/evidence",
+                            "handlers/agents/")),
+    ("decision", ("handlers/placement/", "handlers/workloads/assignment")),
+    ("commands", ("handlers/workloads/", "handlers/writes/", "handlers/specs/")),
+    ("gRPC in (servicer, interceptors, views)", ("handlers/api/", "handlers/app/grpc",
+                                                 "handlers/identity/")),
+    ("heartbeats and registrations", ("handlers/nodes/", "eventsource/keepalives")),
+    ("reconcile and leader loops", ("handlers/reconcile/", "handlers/cluster/")),
+    ("relay", ("eventsource/relay/",)),
+    ("event fan-out (stream reads, watchers)", ("eventsource/stream/", "projections/events")),
+    ("watch decode and projections", ("projections/", "eventsource/watch")),
+    ("commit and its JSON (etcd client)", ("eventsource/commit", "eventsource/group",
+                                           "eventsource/etcd", "eventsource/lean_http",
+                                           "eventsource/records", "eventsource/events")),
+    ("other scheduler code", ("eventsource/", "handlers/")),
+)
+GRPC_ONLY = "grpc's asyncio machinery (no scheduler frame)"
+LOOP_ONLY = "event loop and other libraries (no scheduler frame)"
+#: uvloop's loop runs in native code, and grpc's completion queue polling and its Cython
+#: frames under it show no Python frame: py-spy charges them to the loop's ``run`` call
+NATIVE = "event loop, uvloop and grpc's native code (no Python frame below the loop)"
+LOOP_RUNNER = "handlers/app/eventloop"
+
+
+def _path_of(frame: str) -> str:
+    """``name (path/to/file.py:12)`` -> ``path/to/file.py``."""
+    inside = frame.rpartition(" (")[2]
+    return inside.rpartition(":")[0] if ":" in inside else inside
+
+
+def stage_of(frames: list[str]) -> str:
+    """The stage of one stack (root first): its innermost frame in scheduler code decides."""
+    saw_grpc = False
+    for frame in reversed(frames):
+        path = _path_of(frame).replace("\\", "/")
+        if f"/{LOOP_RUNNER}" in f"/{path}":
+            return NATIVE
+        for stage, prefixes in STAGES:
+            if any(f"/{prefix}" in f"/{path}" for prefix in prefixes):
+                return stage
+        if "grpc/" in path or "grpc_" in path or "cygrpc" in frame:
+            saw_grpc = True
+    return GRPC_ONLY if saw_grpc else LOOP_ONLY
+
+
+def stage_shares(text: str) -> tuple[int, list[tuple[str, int]]]:
+    """(samples, samples per stage, largest first) of py-spy's raw output."""
+    counts: Counter[str] = Counter()
+    total = 0
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        total += int(count)
+        counts[stage_of(stack.split(";"))] += int(count)
+    return total, counts.most_common()
+
 
 def py_spy() -> str | None:
     """The py-spy executable: next to this Python's, or on PATH."""
@@ -107,8 +168,11 @@ class Profiler:
             if not total:
                 parts.append(f"{name}: no samples in {out}")
                 continue
+            _, stages = stage_shares(out.read_text(errors="replace"))
             parts.append(
-                f"{name}: {total} samples at {RATE_HZ} Hz in {out}; most own samples: "
+                f"{name}: {total} samples at {RATE_HZ} Hz in {out}; by stage: "
+                + ", ".join(f"{stage} {100 * n / total:.1f}%" for stage, n in stages)
+                + "; most own samples: "
                 + ", ".join(f"{frame} {100 * n / total:.1f}%" for frame, n in own)
                 + "; most inclusive: "
                 + ", ".join(f"{frame} {100 * n / total:.1f}%" for frame, n in inclusive))
