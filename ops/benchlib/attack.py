@@ -13,18 +13,20 @@ streams, watchers or nodes):
   on its own threads). Give a fleet whose ListNodes answer is large (``--nodes 1000``);
 * ``nonreading-window``: N callers, each on a TCP connection of its own, keep the HTTP/2
   default windows (65,535 bytes, stream and connection; no WINDOW_UPDATE ever), read their
-  socket (SETTINGS and PING acknowledged, so keepalive does not cut them) and send
-  ``--attack-requests`` ListNodes requests each at once: the server can send 64 KiB of all
-  the answers and must hold the rest. The callers decode the server's header blocks
-  (``h2raw.HeaderDecoder``) and count the answers' ``grpc-status``; the attack stops early when
-  the scheduler's RSS passes ``RSS_STOP_MIB``;
+  socket (SETTINGS and PING acknowledged, so keepalive does not cut them) and send up to
+  ``--attack-requests`` ListNodes requests each, ``IN_FLIGHT`` at a time not yet begun by the
+  server: the server can send 64 KiB of all a connection's answers and must hold the rest.
+  The callers decode the server's header blocks (``h2raw.HeaderDecoder``) and count the
+  answers' ``grpc-status``; the attack stops early when the scheduler's RSS passes
+  ``RSS_STOP_MIB``;
 * ``resets``: one connection sends N whole GetClusterSummary requests (HEADERS, DATA with
   END_STREAM), each followed at once by its RST_STREAM (CANCEL), as fast as the socket takes
   them; it reads the connection (SETTINGS and PING acknowledged) and stops at a GOAWAY;
 * ``watchers``: N WatchEvents streams opened at once (grpc aio, 100 per channel), while the
   bench sets a node label ``WATCH_EVENT_RATE`` times a second, so each stream carries events;
 * ``heartbeats``: N more simulated nodes (``persys-scheduler sim`` processes, one per 2,500
-  nodes unless ``--sim-processes`` says otherwise) started at the attack's start, registering
+  nodes unless ``--sim-processes`` says otherwise, each with one control connection per
+  ``FLOOD_NODES_PER_CHANNEL`` nodes) started at the attack's start, registering
   and heartbeating every ``FLOOD_HEARTBEAT_S`` seconds (the simulator's own pace bounds it).
   They are stopped at the end of the attack; their nodes stay in the target.
 
@@ -71,6 +73,8 @@ DEFAULT_SIZE = {"nonreading": 300, "nonreading-window": 20, "resets": 100_000, "
                 "heartbeats": 5000}
 #: nonreading-window: ListNodes requests per caller (``--attack-requests``).
 DEFAULT_REQUESTS = 200
+#: nonreading-window: requests per caller sent and not yet begun by the server (no HEADERS back).
+IN_FLIGHT = 4
 #: nonreading-window: the attack stops (its callers close) once the scheduler's RSS passes this.
 RSS_STOP_MIB = 6144.0
 PHASES = ("baseline", "during", "after")
@@ -272,9 +276,17 @@ def _peer_closed(sock: socket.socket) -> bool:
 
 
 class _WindowCaller:
-    """One nonreading-window caller: its connection, what it read, stream by stream."""
+    """One nonreading-window caller: its connection, what it read, stream by stream. It keeps
+    ``IN_FLIGHT`` requests the server has not begun to answer (no HEADERS back yet), up to
+    ``requests`` in all: a burst of all of them at once would wait in gRPC core's queue, which
+    cancels a call left unclaimed 30 s (CANCELLED, measured), so it would measure the server's
+    CPU, not what it holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests: int, block: bytes) -> None:
+        self.requests = requests
+        self.block = block
+        self.sent = 0
+        self.begun: set[int] = set()  # streams the server sent HEADERS on (answer begun)
         self.writer: asyncio.StreamWriter | None = None
         self.reading: asyncio.Task[None] | None = None
         self.statuses: dict[int, str] = {}  # stream id -> grpc-status of its final HEADERS
@@ -317,11 +329,25 @@ class _WindowCaller:
                             block_ends = bool(f.flags & h2raw.END_STREAM)
                         block += h2raw.header_block_fragment(f)
                         if f.flags & h2raw.END_HEADERS:
+                            self.begun.add(block_stream)
                             self._headers(block_stream, block_ends, decoder.decode(bytes(block)))
+                self.top_up()
         except (OSError, ValueError, IndexError) as exc:
             self.error = f"{type(exc).__name__} {exc}"
         finally:
             self.closed = True
+
+    def top_up(self) -> None:
+        """Send requests until ``IN_FLIGHT`` are not begun (or all ``requests`` are sent)."""
+        assert self.writer is not None
+        waiting = self.sent - len(self.begun | set(self.resets))
+        batch = bytearray()
+        while waiting < IN_FLIGHT and self.sent < self.requests:
+            batch += h2raw.unary_call(2 * self.sent + 1, self.block)
+            self.sent += 1
+            waiting += 1
+        if batch:
+            self.writer.write(bytes(batch))
 
     def _headers(self, stream_id: int, ends: bool,
                  fields: list[tuple[bytes | None, bytes | None]]) -> None:
@@ -339,7 +365,6 @@ async def _nonreading_window(ctx: BenchContext, out: Outcome, size: int, until: 
     answer = await _list_nodes_size(ctx, out)
     requests = int(ctx.args.attack_requests)
     block = h2raw.grpc_request_headers(address, LIST_NODES)
-    calls = b"".join(h2raw.unary_call(2 * i + 1, block) for i in range(requests))
     # the default window, said explicitly; no WINDOW_UPDATE follows, ever
     start = h2raw.client_start(window=h2raw.DEFAULT_WINDOW)
     callers: list[_WindowCaller] = []
@@ -348,12 +373,13 @@ async def _nonreading_window(ctx: BenchContext, out: Outcome, size: int, until: 
             if name.startswith(SCHEDULER_PREFIX)]
 
     async def connect() -> None:
-        caller = _WindowCaller()
+        caller = _WindowCaller(requests, block)
         try:
             reader, caller.writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port), 10.0)
+            caller.writer.write(start)
+            caller.top_up()
             caller.reading = asyncio.create_task(caller.read(reader))
-            caller.writer.write(start + calls)
             await caller.writer.drain()
         except (OSError, TimeoutError) as exc:
             failed[type(exc).__name__] += 1
@@ -366,8 +392,8 @@ async def _nonreading_window(ctx: BenchContext, out: Outcome, size: int, until: 
     began = time.monotonic()
     try:
         await asyncio.gather(*(connect() for _ in range(size)))
-        ctx.log(f"attack nonreading-window: {len(callers)} callers sent {requests} ListNodes "
-                "each, windows left at 65,535")
+        ctx.log(f"attack nonreading-window: {len(callers)} callers send {requests} ListNodes "
+                f"each ({IN_FLIGHT} not begun at a time), windows left at 65,535")
         while time.monotonic() < until:
             await asyncio.sleep(min(RSS_INTERVAL_S, max(0.0, until - time.monotonic())))
             values = [rss_mib(pid) for pid in pids]
@@ -380,6 +406,8 @@ async def _nonreading_window(ctx: BenchContext, out: Outcome, size: int, until: 
     finally:
         snapshot = [(dict(c.statuses), set(c.headers_only), dict(c.resets), c.closed)
                     for c in callers]
+        sent = sum(c.sent for c in callers)
+        begun = sum(len(c.begun) for c in callers)
         for caller in callers:
             if caller.writer is not None:
                 caller.writer.close()
@@ -397,11 +425,11 @@ async def _nonreading_window(ctx: BenchContext, out: Outcome, size: int, until: 
         headers_only += len(caller_only)
         closed += caller_closed
     ended = sum(len(set(s) | set(r)) for s, _, r, _ in snapshot)
-    sent = requests * len(callers)
     out.figures["attack_size"] = len(callers)
-    out.note("attack_size", f"connections that sent their {requests} ListNodes requests (asked "
-             f"{size}; {sent} requests in all, one answer {answer / 1024:.1f} KiB: "
-             f"{sent * answer / 2**20:.1f} MiB if the server held every one)"
+    out.note("attack_size", f"connections that sent ListNodes requests (asked {size}, up to "
+             f"{requests} requests each, {IN_FLIGHT} not begun at a time): {sent} requests sent, "
+             f"{begun} answers begun (HEADERS back); one answer {answer / 1024:.1f} KiB: "
+             f"{sent * answer / 2**20:.1f} MiB if the server held every one sent)"
              + (f"; failed: {dict(failed)}" if failed else "")
              + f"; {closed} connections closed by the server before the end"
              + (f"; {stopped}" if stopped else ""))
