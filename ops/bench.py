@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.app.eventloop import run as run_loop
-from ops.benchlib.attack import ATTACKS, DEFAULT_SIZE
+from ops.benchlib.attack import ATTACKS, DEFAULT_REQUESTS, DEFAULT_SIZE
 from ops.benchlib.clients import ApiClients
 from ops.benchlib.profile import Profiler
 from ops.benchlib.registry import SCENARIOS
@@ -131,10 +131,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     hostile = parser.add_argument_group("attack: one hostile caller against the scheduler")
     hostile.add_argument("--attack", choices=ATTACKS, default=None,
                          help="attack: which hostile caller (required there): nonreading "
-                              "callers, stream resets, watchers, a heartbeat flood")
+                              "callers (nonreading-window: windows kept closed), stream "
+                              "resets, watchers, a heartbeat flood")
     hostile.add_argument("--attack-size", type=_positive_int, default=None, metavar="N",
                          help="attack: callers, streams, watchers or flood nodes (default: "
                               + ", ".join(f"{k} {v:,}" for k, v in DEFAULT_SIZE.items()) + ")")
+    hostile.add_argument("--attack-requests", type=_positive_int, default=DEFAULT_REQUESTS,
+                         metavar="K", help="attack nonreading-window: ListNodes requests each "
+                         f"caller sends at once (default {DEFAULT_REQUESTS})")
     hostile.add_argument("--attack-duration", type=_positive_float, default=30.0, metavar="S",
                          help="attack: how long the attack lasts at least (default 30)")
     hostile.add_argument("--attack-quiet", type=_positive_float, default=10.0, metavar="S",

@@ -192,12 +192,13 @@ def test_churn_contract():
     assert elapsed < 60
 
 
-@pytest.mark.parametrize("attack", [("resets", "500"), ("watchers", "20")])
+@pytest.mark.parametrize("attack", [("resets", "500"), ("watchers", "20"),
+                                    ("nonreading-window", "2")])
 def test_attack_contract_and_the_probe_ran(attack: tuple[str, str]) -> None:
     kind, size = attack
     result, _ = run_bench("attack", "--attack", kind, "--attack-size", size, "--nodes", "3",
                           "--heartbeat-interval", "1", "--attack-duration", "2",
-                          "--attack-quiet", "2")
+                          "--attack-quiet", "2", "--attack-requests", "5")
     assert set(result) == TOP_KEYS
     assert (result["scenario"], result["workloads"]) == ("attack", 0)
     assert set(result["figures"]) == set(SCENARIOS["attack"].figures)
@@ -211,8 +212,32 @@ def test_attack_contract_and_the_probe_ran(attack: tuple[str, str]) -> None:
     assert figures["scheduler_rss_peak_during_mib"] is not None  # the bench started it: pid known
     if kind == "resets":
         assert figures["attack_goaways"] is not None
-    else:
+    elif kind == "watchers":
         assert figures["attack_watchers_open"] is not None
+    else:  # 2 callers x 5 answers of 3 nodes: far below every limit, and within the window
+        assert figures["attack_streams_open"] is not None
+        assert figures["attack_refused_resource_exhausted"] == 0
+        assert figures["attack_goaways"] == 0
+        assert figures["list_nodes_answer_kib"] is not None
+        assert "x 0" in notes["attack_refused_resource_exhausted"]  # grpc-status 0, decoded
+
+
+def test_the_attack_header_decoder_reads_what_hpack_encodes() -> None:
+    from hpack import Encoder  # the h2 library's, a test dependency
+    from hpack.table import HeaderTable
+
+    from ops.benchlib.h2raw import STATIC_TABLE, HeaderDecoder
+
+    assert tuple(HeaderTable.STATIC_TABLE) == STATIC_TABLE
+    encoder, decoder = Encoder(), HeaderDecoder()
+    for i in range(200):  # growing values: the dynamic table evicts
+        fields = [(":status", "200"), ("content-type", "application/grpc"),
+                  ("grpc-status", str(i % 17)), ("grpc-message", "m" * (i % 40)),
+                  (f"x-{i}", "v" * i)]
+        decoded = decoder.decode(encoder.encode(fields, huffman=False))
+        assert decoded == [(n.encode(), v.encode()) for n, v in fields]
+    coded = HeaderDecoder().decode(Encoder().encode([("grpc-message", "resource")]))
+    assert coded == [(None, None)]  # name and value Huffman-coded: not decoded, said so
 
 
 def test_attack_needs_its_kind(capsys) -> None:

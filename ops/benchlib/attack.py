@@ -11,13 +11,22 @@ streams, watchers or nodes):
   raw HTTP/2 (``ops.benchlib.h2raw``: they open both flow-control windows to the maximum, so
   only TCP holds the answer back, and never call ``recv``; a grpc client would read its socket
   on its own threads). Give a fleet whose ListNodes answer is large (``--nodes 1000``);
+* ``nonreading-window``: N callers, each on a TCP connection of its own, keep the HTTP/2
+  default windows (65,535 bytes, stream and connection; no WINDOW_UPDATE ever), read their
+  socket (SETTINGS and PING acknowledged, so keepalive does not cut them) and send up to
+  ``--attack-requests`` ListNodes requests each, ``IN_FLIGHT`` at a time not yet begun by the
+  server: the server can send 64 KiB of all a connection's answers and must hold the rest.
+  The callers decode the server's header blocks (``h2raw.HeaderDecoder``) and count the
+  answers' ``grpc-status``; the attack stops early when the scheduler's RSS passes
+  ``RSS_STOP_MIB``;
 * ``resets``: one connection sends N whole GetClusterSummary requests (HEADERS, DATA with
   END_STREAM), each followed at once by its RST_STREAM (CANCEL), as fast as the socket takes
   them; it reads the connection (SETTINGS and PING acknowledged) and stops at a GOAWAY;
 * ``watchers``: N WatchEvents streams opened at once (grpc aio, 100 per channel), while the
   bench sets a node label ``WATCH_EVENT_RATE`` times a second, so each stream carries events;
 * ``heartbeats``: N more simulated nodes (``persys-scheduler sim`` processes, one per 2,500
-  nodes unless ``--sim-processes`` says otherwise) started at the attack's start, registering
+  nodes unless ``--sim-processes`` says otherwise, each with one control connection per
+  ``FLOOD_NODES_PER_CHANNEL`` nodes) started at the attack's start, registering
   and heartbeating every ``FLOOD_HEARTBEAT_S`` seconds (the simulator's own pace bounds it).
   They are stopped at the end of the attack; their nodes stay in the target.
 
@@ -59,8 +68,15 @@ from ops.benchlib.scenario import (
 from ops.benchlib.stack import HOST, StackOptions, service_port
 from proto.persys.control.v1 import control_pb2, control_pb2_grpc
 
-ATTACKS = ("nonreading", "resets", "watchers", "heartbeats")
-DEFAULT_SIZE = {"nonreading": 300, "resets": 100_000, "watchers": 500, "heartbeats": 5000}
+ATTACKS = ("nonreading", "nonreading-window", "resets", "watchers", "heartbeats")
+DEFAULT_SIZE = {"nonreading": 300, "nonreading-window": 20, "resets": 100_000, "watchers": 500,
+                "heartbeats": 5000}
+#: nonreading-window: ListNodes requests per caller (``--attack-requests``).
+DEFAULT_REQUESTS = 200
+#: nonreading-window: requests per caller sent and not yet begun by the server (no HEADERS back).
+IN_FLIGHT = 4
+#: nonreading-window: the attack stops (its callers close) once the scheduler's RSS passes this.
+RSS_STOP_MIB = 6144.0
 PHASES = ("baseline", "during", "after")
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 10.0
@@ -70,6 +86,10 @@ WATCH_EVENT_RATE = 2.0
 WATCHERS_PER_CHANNEL = 100
 #: The flood's heartbeat interval (the simulator's override of the scheduler's answer).
 FLOOD_HEARTBEAT_S = 1.0
+#: The flood's simulators open one control connection per this many nodes (``--control-channels``),
+#: so that no connection carries more calls at once than SCHEDULER_GRPC_MAX_CONCURRENT_STREAMS
+#: (1,024) and a target with that limit gets the same load as one without.
+FLOOD_NODES_PER_CHANNEL = 50
 #: An attack that has not ended this long after its window is stopped.
 OVERRUN_S = 120.0
 #: A nonreading caller's receive buffer: the kernel takes this much of the answer, no more.
@@ -93,6 +113,7 @@ FIGURES = (
     "attack_streams_before_goaway",
     "attack_watchers_open",
     "attack_heartbeats_ok",
+    "attack_streams_open",
     "list_nodes_answer_kib",
     PEAK_RSS,
 )
@@ -102,7 +123,8 @@ ONLY = {
     "attack_streams_before_goaway": ("resets",),
     "attack_watchers_open": ("watchers",),
     "attack_heartbeats_ok": ("heartbeats",),
-    "list_nodes_answer_kib": ("nonreading",),
+    "attack_streams_open": ("nonreading-window",),
+    "list_nodes_answer_kib": ("nonreading", "nonreading-window"),
 }
 
 
@@ -189,13 +211,18 @@ def _host_port(address: str) -> tuple[str, int]:
 # records its figures and notes in ``out``.
 
 
-async def _nonreading(ctx: BenchContext, out: Outcome, size: int, until: float) -> None:
-    address = ctx.stack.grpc_addrs[0]
-    host, port = _host_port(address)
+async def _list_nodes_size(ctx: BenchContext, out: Outcome) -> int:
     reply = await ctx.api.stubs[0].ListNodes(control_pb2.ListNodesRequest(), timeout=60.0)
     out.figures["list_nodes_answer_kib"] = round(reply.ByteSize() / 1024.0, 1)
     out.note("list_nodes_answer_kib", f"one ListNodes answer ({len(reply.nodes)} nodes), "
              "serialized, read by the bench before the attack")
+    return int(reply.ByteSize())
+
+
+async def _nonreading(ctx: BenchContext, out: Outcome, size: int, until: float) -> None:
+    address = ctx.stack.grpc_addrs[0]
+    host, port = _host_port(address)
+    await _list_nodes_size(ctx, out)
     block = h2raw.grpc_request_headers(address, LIST_NODES)
     request = (h2raw.client_start(window=h2raw.MAX_WINDOW, ack_settings=True)
                + h2raw.unary_call(1, block))
@@ -246,6 +273,187 @@ def _peer_closed(sock: socket.socket) -> bool:
     except OSError:
         return True
     return data == b""
+
+
+class _WindowCaller:
+    """One nonreading-window caller: its connection, what it read, stream by stream. It keeps
+    ``IN_FLIGHT`` requests the server has not begun to answer (no HEADERS back yet), up to
+    ``requests`` in all: a burst of all of them at once would wait in gRPC core's queue, which
+    cancels a call left unclaimed 30 s (CANCELLED, measured), so it would measure the server's
+    CPU, not what it holds."""
+
+    def __init__(self, requests: int, block: bytes) -> None:
+        self.requests = requests
+        self.block = block
+        self.sent = 0
+        self.begun: set[int] = set()  # streams the server sent HEADERS on (answer begun)
+        self.writer: asyncio.StreamWriter | None = None
+        self.reading: asyncio.Task[None] | None = None
+        self.statuses: dict[int, str] = {}  # stream id -> grpc-status of its final HEADERS
+        self.headers_only: set[int] = set()  # streams ended by HEADERS with no DATA before
+        self.with_data: set[int] = set()
+        self.resets: dict[int, int] = {}  # stream id -> RST_STREAM code
+        self.data_bytes = 0
+        self.pings = 0
+        self.goaways: list[tuple[int, int]] = []
+        self.closed = False
+        self.error = ""
+
+    async def read(self, reader: asyncio.StreamReader) -> None:
+        frames = h2raw.FrameReader()
+        decoder = h2raw.HeaderDecoder()
+        block = bytearray()
+        block_stream, block_ends = 0, False
+        writer = self.writer
+        assert writer is not None
+        try:
+            while data := await reader.read(65536):
+                for f in frames.feed(data):
+                    if f.kind == h2raw.SETTINGS and not f.flags & h2raw.ACK:
+                        writer.write(h2raw.frame(h2raw.SETTINGS, h2raw.ACK, 0))
+                    elif f.kind == h2raw.PING and not f.flags & h2raw.ACK:
+                        self.pings += 1
+                        writer.write(h2raw.frame(h2raw.PING, h2raw.ACK, 0, f.payload))
+                    elif f.kind == h2raw.GOAWAY:
+                        self.goaways.append(h2raw.goaway_fields(f.payload))
+                    elif f.kind == h2raw.RST_STREAM:
+                        self.resets[f.stream_id] = int.from_bytes(f.payload[:4], "big")
+                    elif f.kind == h2raw.DATA:
+                        # never a WINDOW_UPDATE: the server's 65,535 bytes are all it may send
+                        self.data_bytes += len(f.payload)
+                        self.with_data.add(f.stream_id)
+                    elif f.kind in (h2raw.HEADERS, h2raw.CONTINUATION):
+                        if f.kind == h2raw.HEADERS:
+                            block.clear()
+                            block_stream = f.stream_id
+                            block_ends = bool(f.flags & h2raw.END_STREAM)
+                        block += h2raw.header_block_fragment(f)
+                        if f.flags & h2raw.END_HEADERS:
+                            self.begun.add(block_stream)
+                            self._headers(block_stream, block_ends, decoder.decode(bytes(block)))
+                self.top_up()
+        except (OSError, ValueError, IndexError) as exc:
+            self.error = f"{type(exc).__name__} {exc}"
+        finally:
+            self.closed = True
+
+    def top_up(self) -> None:
+        """Send requests until ``IN_FLIGHT`` are not begun (or all ``requests`` are sent)."""
+        assert self.writer is not None
+        waiting = self.sent - len(self.begun | set(self.resets))
+        batch = bytearray()
+        while waiting < IN_FLIGHT and self.sent < self.requests:
+            batch += h2raw.unary_call(2 * self.sent + 1, self.block)
+            self.sent += 1
+            waiting += 1
+        if batch:
+            self.writer.write(bytes(batch))
+
+    def _headers(self, stream_id: int, ends: bool,
+                 fields: list[tuple[bytes | None, bytes | None]]) -> None:
+        if not ends:
+            return  # the answer's response headers; its message and trailers come later
+        status = next((v for n, v in fields if n == b"grpc-status"), None)
+        self.statuses[stream_id] = status.decode() if status is not None else "?"
+        if stream_id not in self.with_data:
+            self.headers_only.add(stream_id)
+
+
+async def _nonreading_window(ctx: BenchContext, out: Outcome, size: int, until: float) -> None:
+    address = ctx.stack.grpc_addrs[0]
+    host, port = _host_port(address)
+    answer = await _list_nodes_size(ctx, out)
+    requests = int(ctx.args.attack_requests)
+    block = h2raw.grpc_request_headers(address, LIST_NODES)
+    # the default window, said explicitly; no WINDOW_UPDATE follows, ever
+    start = h2raw.client_start(window=h2raw.DEFAULT_WINDOW)
+    callers: list[_WindowCaller] = []
+    failed: Counter[str] = Counter()
+    pids = [pid for name, pid in ctx.stack.scheduler_pids.items()
+            if name.startswith(SCHEDULER_PREFIX)]
+
+    async def connect() -> None:
+        caller = _WindowCaller(requests, block)
+        try:
+            reader, caller.writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), 10.0)
+            caller.writer.write(start)
+            caller.top_up()
+            caller.reading = asyncio.create_task(caller.read(reader))
+            await caller.writer.drain()
+        except (OSError, TimeoutError) as exc:
+            failed[type(exc).__name__] += 1
+            if caller.writer is not None:
+                caller.writer.close()
+            return
+        callers.append(caller)
+
+    stopped = ""
+    began = time.monotonic()
+    try:
+        await asyncio.gather(*(connect() for _ in range(size)))
+        ctx.log(f"attack nonreading-window: {len(callers)} callers send {requests} ListNodes "
+                f"each ({IN_FLIGHT} not begun at a time), windows left at 65,535")
+        while time.monotonic() < until:
+            await asyncio.sleep(min(RSS_INTERVAL_S, max(0.0, until - time.monotonic())))
+            values = [rss_mib(pid) for pid in pids]
+            held = sum(v for v in values if v is not None)
+            if held > RSS_STOP_MIB:
+                stopped = (f"stopped early, {time.monotonic() - began:.1f} s into the attack: "
+                           f"the scheduler's RSS was {held:.0f} MiB, past {RSS_STOP_MIB:g}")
+                ctx.log(f"attack nonreading-window: {stopped}")
+                break
+    finally:
+        snapshot = [(dict(c.statuses), set(c.headers_only), dict(c.resets), c.closed)
+                    for c in callers]
+        sent = sum(c.sent for c in callers)
+        begun = sum(len(c.begun) for c in callers)
+        for caller in callers:
+            if caller.writer is not None:
+                caller.writer.close()
+        for caller in callers:
+            if caller.reading is not None:
+                caller.reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await caller.reading
+    statuses: Counter[str] = Counter()
+    resets: Counter[int] = Counter()
+    headers_only = closed = 0
+    for caller_statuses, caller_only, caller_resets, caller_closed in snapshot:
+        statuses.update(caller_statuses.values())
+        resets.update(caller_resets.values())
+        headers_only += len(caller_only)
+        closed += caller_closed
+    ended = sum(len(set(s) | set(r)) for s, _, r, _ in snapshot)
+    out.figures["attack_size"] = len(callers)
+    out.note("attack_size", f"connections that sent ListNodes requests (asked {size}, up to "
+             f"{requests} requests each, {IN_FLIGHT} not begun at a time): {sent} requests sent, "
+             f"{begun} answers begun (HEADERS back); one answer {answer / 1024:.1f} KiB: "
+             f"{sent * answer / 2**20:.1f} MiB if the server held every one sent)"
+             + (f"; failed: {dict(failed)}" if failed else "")
+             + f"; {closed} connections closed by the server before the end"
+             + (f"; {stopped}" if stopped else ""))
+    out.figures["attack_refused_resource_exhausted"] = statuses.get("8", 0)
+    out.figures["attack_refused_unavailable"] = (statuses.get("14", 0)
+                                                 + resets.get(h2raw.REFUSED_STREAM, 0))
+    out.note("attack_refused_resource_exhausted", "answers whose grpc-status (decoded from the "
+             "server's final HEADERS) was 8; all final statuses: "
+             + (", ".join(f"{n} x {c}" for c, n in sorted(statuses.items())) or "none")
+             + f"; {headers_only} of the answers were headers-only (no DATA before them)")
+    out.note("attack_refused_unavailable", "grpc-status 14 plus RST_STREAM REFUSED_STREAM; all "
+             "RST_STREAM codes: " + (", ".join(f"{n} x 0x{c:x}" for c, n in
+                                              sorted(resets.items())) or "none"))
+    out.figures["attack_goaways"] = sum(len(c.goaways) for c in callers)
+    codes = Counter(code for c in callers for _, code in c.goaways)
+    out.note("attack_goaways", "GOAWAY frames read; codes: "
+             + (", ".join(f"{n} x 0x{c:x}" for c, n in sorted(codes.items())) or "none")
+             + f"; PINGs acknowledged: {sum(c.pings for c in callers)}; DATA read: "
+             f"{sum(c.data_bytes for c in callers)} bytes (never a WINDOW_UPDATE)"
+             + "".join(f"; a read ended: {c.error}" for c in callers[:1] if c.error))
+    out.figures["attack_streams_open"] = sent - ended
+    out.note("attack_streams_open", "requests neither answered to their end nor reset when the "
+             "attack ended: answers the server was holding (or had not started) behind the "
+             "closed windows")
 
 
 async def _resets(ctx: BenchContext, out: Outcome, size: int, until: float) -> None:
@@ -413,12 +621,14 @@ async def _heartbeats(ctx: BenchContext, out: Outcome, size: int, until: float) 
                     "--nodes", str(count), "--first-index", str(first),
                     "--stats-port", str(port), "--report-every", "0", "--prefix", prefix,
                     "--heartbeat-interval", f"{FLOOD_HEARTBEAT_S:g}",
+                    "--control-channels", str(math.ceil(count / FLOOD_NODES_PER_CHANNEL)),
                     "--seed", str(ctx.args.seed + 100 + i)]
             sims.append(Child(f"flood-{i}", argv, env=dict(os.environ),
                               log=ctx.stack.workdir / f"flood-{i}.log", cwd=_ROOT))
             stats_addrs.append(f"{HOST}:{port}")
         ctx.log(f"attack heartbeats: {size} nodes in {len(parts)} simulator process(es), "
-                f"heartbeating every {FLOOD_HEARTBEAT_S:g}s")
+                f"heartbeating every {FLOOD_HEARTBEAT_S:g}s, one connection per "
+                f"{FLOOD_NODES_PER_CHANNEL} nodes")
         await asyncio.sleep(max(0.0, until - time.monotonic()))
         try:
             stats = merge_fleet_stats(list(await asyncio.gather(
@@ -432,7 +642,9 @@ async def _heartbeats(ctx: BenchContext, out: Outcome, size: int, until: float) 
         for sim in sims:
             await asyncio.to_thread(sim.wait_or_kill, 20.0)
     out.figures["attack_size"] = size
-    out.note("attack_size", f"simulated nodes ({prefix}NNNNN) in {len(parts)} process(es)")
+    out.note("attack_size", f"simulated nodes ({prefix}NNNNN) in {len(parts)} process(es), "
+             f"one control connection per {FLOOD_NODES_PER_CHANNEL} nodes: "
+             + ", ".join(f"{math.ceil(count / FLOOD_NODES_PER_CHANNEL)}" for _, count in parts))
     control = stats.get("control", {}) if stats else {}
     if stats:
         out.figures["attack_heartbeats_ok"] = int(control.get("heartbeats_ok", 0))
@@ -445,8 +657,8 @@ async def _heartbeats(ctx: BenchContext, out: Outcome, size: int, until: float) 
     out.null("attack_goaways", "the simulator's grpc channels hide GOAWAY frames")
 
 
-RUNNERS = {"nonreading": _nonreading, "resets": _resets, "watchers": _watchers,
-           "heartbeats": _heartbeats}
+RUNNERS = {"nonreading": _nonreading, "nonreading-window": _nonreading_window,
+           "resets": _resets, "watchers": _watchers, "heartbeats": _heartbeats}
 
 
 # -- the scenario -----------------------------------------------------------------------------

@@ -3,9 +3,13 @@
 Why not a grpc client: grpc reads its socket on its own threads whatever the application does,
 so a grpc caller that "does not read its answer" still drains the TCP window into its own
 buffers; and it never sends a stream's RST_STREAM right after its HEADERS on purpose. Why not
-the ``h2`` library: it is not a dependency of the project, and these attacks need only a few
-frames, written by hand (RFC 9113 framing, RFC 7541 literal header fields without indexing and
-without Huffman coding, which every HPACK decoder accepts).
+the ``h2`` library: it is not a dependency of the project (only of its tests), and these
+attacks need only a few frames, written by hand (RFC 9113 framing, RFC 7541 literal header
+fields without indexing and without Huffman coding, which every HPACK decoder accepts).
+
+``HeaderDecoder`` reads the server's header blocks (to see a ``grpc-status``): the static and
+dynamic tables and every field representation, but no Huffman decoding; a Huffman-coded string
+decodes as ``None``. gRPC core does not Huffman-code the values it sends (only ``-bin`` ones).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
-END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
+CONTINUATION = 0x9
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
 #: SETTINGS identifiers
 ENABLE_PUSH, INITIAL_WINDOW_SIZE = 0x2, 0x4
 #: RST_STREAM / GOAWAY error codes
@@ -120,3 +125,121 @@ def goaway_fields(payload: bytes) -> tuple[int, int]:
     """(last stream id, error code) of a GOAWAY payload."""
     last, code = struct.unpack(">II", payload[:8])
     return last & MAX_WINDOW, code
+
+
+def header_block_fragment(f: Frame) -> bytes:
+    """The header block fragment of a HEADERS frame (padding and priority taken off) or of a
+    CONTINUATION frame."""
+    payload = f.payload
+    if f.kind != HEADERS:
+        return payload
+    pad = 0
+    if f.flags & PADDED:
+        pad, payload = payload[0], payload[1:]
+    if f.flags & PRIORITY:
+        payload = payload[5:]
+    return payload[:len(payload) - pad] if pad else payload
+
+
+#: RFC 7541 Appendix A (index 1 first).
+STATIC_TABLE: tuple[tuple[bytes, bytes], ...] = (
+    (b":authority", b""), (b":method", b"GET"), (b":method", b"POST"), (b":path", b"/"),
+    (b":path", b"/index.html"), (b":scheme", b"http"), (b":scheme", b"https"),
+    (b":status", b"200"), (b":status", b"204"), (b":status", b"206"), (b":status", b"304"),
+    (b":status", b"400"), (b":status", b"404"), (b":status", b"500"),
+    *((name, b"gzip, deflate" if name == b"accept-encoding" else b"") for name in (
+        b"accept-charset", b"accept-encoding", b"accept-language", b"accept-ranges", b"accept",
+        b"access-control-allow-origin", b"age", b"allow", b"authorization", b"cache-control",
+        b"content-disposition", b"content-encoding", b"content-language", b"content-length",
+        b"content-location", b"content-range", b"content-type", b"cookie", b"date", b"etag",
+        b"expect", b"expires", b"from", b"host", b"if-match", b"if-modified-since",
+        b"if-none-match", b"if-range", b"if-unmodified-since", b"last-modified", b"link",
+        b"location", b"max-forwards", b"proxy-authenticate", b"proxy-authorization", b"range",
+        b"referer", b"refresh", b"retry-after", b"server", b"set-cookie",
+        b"strict-transport-security", b"transfer-encoding", b"user-agent", b"vary", b"via",
+        b"www-authenticate")),
+)
+
+
+class HeaderDecoder:
+    """An HPACK decoder for one connection's received header blocks, in their order (the
+    dynamic table is the connection's). No Huffman: such a string decodes as ``None``."""
+
+    def __init__(self, max_size: int = 4096) -> None:
+        self._dynamic: list[tuple[bytes | None, bytes | None]] = []  # newest first
+        self._size = 0
+        self._max = max_size
+
+    def decode(self, block: bytes) -> list[tuple[bytes | None, bytes | None]]:
+        fields: list[tuple[bytes | None, bytes | None]] = []
+        pos = 0
+        while pos < len(block):
+            byte = block[pos]
+            if byte & 0x80:  # indexed field
+                index, pos = _read_int(block, pos, 7)
+                fields.append(self._entry(index))
+            elif byte & 0x40:  # literal with incremental indexing
+                field, pos = self._literal(block, pos, 6)
+                fields.append(field)
+                self._insert(field)
+            elif byte & 0x20:  # dynamic table size update
+                self._max, pos = _read_int(block, pos, 5)
+                self._evict()
+            else:  # literal without indexing / never indexed
+                field, pos = self._literal(block, pos, 4)
+                fields.append(field)
+        return fields
+
+    def _entry(self, index: int) -> tuple[bytes | None, bytes | None]:
+        if 1 <= index <= len(STATIC_TABLE):
+            return STATIC_TABLE[index - 1]
+        at = index - len(STATIC_TABLE) - 1
+        if 0 <= at < len(self._dynamic):
+            return self._dynamic[at]
+        raise ValueError(f"HPACK index {index} is in neither table")
+
+    def _literal(self, block: bytes, pos: int,
+                 prefix: int) -> tuple[tuple[bytes | None, bytes | None], int]:
+        index, pos = _read_int(block, pos, prefix)
+        if index:
+            name: bytes | None = self._entry(index)[0]
+        else:
+            name, pos = _read_string(block, pos)
+        value, pos = _read_string(block, pos)
+        return (name, value), pos
+
+    def _insert(self, field: tuple[bytes | None, bytes | None]) -> None:
+        # an undecoded (Huffman) string's length is unknown: the table's size is then off,
+        # which only matters if the server relies on an eviction; grpc core does not Huffman-code
+        name, value = field
+        self._dynamic.insert(0, field)
+        self._size += 32 + len(name or b"") + len(value or b"")
+        self._evict()
+
+    def _evict(self) -> None:
+        while self._size > self._max and self._dynamic:
+            name, value = self._dynamic.pop()
+            self._size -= 32 + len(name or b"") + len(value or b"")
+
+
+def _read_int(block: bytes, pos: int, prefix_bits: int) -> tuple[int, int]:
+    limit = (1 << prefix_bits) - 1
+    value = block[pos] & limit
+    pos += 1
+    if value < limit:
+        return value, pos
+    shift = 0
+    while True:
+        byte = block[pos]
+        pos += 1
+        value += (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _read_string(block: bytes, pos: int) -> tuple[bytes | None, int]:
+    huffman = bool(block[pos] & 0x80)
+    length, pos = _read_int(block, pos, 7)
+    data = block[pos:pos + length]
+    return (None if huffman else bytes(data)), pos + length
