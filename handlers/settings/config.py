@@ -124,8 +124,8 @@ class Settings:
     grpc_max_concurrent_rpcs: int = 32768
     grpc_handshake_timeout_s: float = 20.0
     #: answers handed to gRPC and not yet read by their caller (handlers/api/unread.py)
-    grpc_max_unread_bytes_per_connection: int = 32 * 1024 * 1024
-    grpc_max_unread_bytes: int = 512 * 1024 * 1024
+    grpc_max_unread_bytes_per_connection: int = 16 * 1024 * 1024
+    grpc_max_unread_bytes: int = 256 * 1024 * 1024
     #: concurrent WatchEvents streams in all, and per caller identity
     watch_max: int = 8192
     watch_max_per_caller: int = 1024
@@ -404,9 +404,9 @@ def load_settings(env: Mapping[str, str], *, insecure: bool = False) -> Settings
         grpc_handshake_timeout_s=r.duration("SCHEDULER_GRPC_HANDSHAKE_TIMEOUT", 20.0,
                                             allow_zero=False),
         grpc_max_unread_bytes_per_connection=r.integer(
-            "SCHEDULER_GRPC_MAX_UNREAD_BYTES_PER_CONNECTION", 32 * 1024 * 1024,
+            "SCHEDULER_GRPC_MAX_UNREAD_BYTES_PER_CONNECTION", 16 * 1024 * 1024,
             minimum=64 * 1024, maximum=1 << 40),
-        grpc_max_unread_bytes=r.integer("SCHEDULER_GRPC_MAX_UNREAD_BYTES", 512 * 1024 * 1024,
+        grpc_max_unread_bytes=r.integer("SCHEDULER_GRPC_MAX_UNREAD_BYTES", 256 * 1024 * 1024,
                                         minimum=64 * 1024, maximum=1 << 40),
         watch_max=r.integer("SCHEDULER_WATCH_MAX", 8192, minimum=1, maximum=1_000_000),
         watch_max_per_caller=r.integer("SCHEDULER_WATCH_MAX_PER_CALLER", 1024, minimum=1,
