@@ -62,6 +62,20 @@ def test_an_answer_past_the_total_is_refused_unless_small(held: int, size: int,
         assert "SCHEDULER_GRPC_MAX_UNREAD_BYTES=1000000" in why
 
 
+def test_a_call_whose_last_answer_would_not_fit_is_refused_before_any_work() -> None:
+    ledger = UnreadLedger(per_connection=10_000_000, total=1_000_000)
+    ledger.add("ipv4:10.0.0.1:1", 900_000)
+    assert ledger.refusal_before("ipv4:10.0.0.2:1", "/x/ListNodes") is None  # size unknown
+    ledger.sized("/x/ListNodes", 200_000)
+    why = ledger.refusal_before("ipv4:10.0.0.2:1", "/x/ListNodes")
+    assert why is not None
+    assert "SCHEDULER_GRPC_MAX_UNREAD_BYTES" in why
+    ledger.sized("/x/Heartbeat", 100)
+    assert ledger.refusal_before("ipv4:10.0.0.2:1", "/x/Heartbeat") is None  # small: served
+    ledger.release("ipv4:10.0.0.1:1", 900_000)
+    assert ledger.refusal_before("ipv4:10.0.0.2:1", "/x/ListNodes") is None
+
+
 def test_over_the_total_only_connections_that_hold_unread_answers_are_refused_first() -> None:
     ledger = UnreadLedger(per_connection=10_000_000, total=1_000_000)
     ledger.add("ipv4:10.0.0.1:1", 1_500_000)

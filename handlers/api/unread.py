@@ -15,7 +15,8 @@ moment it is handed to gRPC until its call is done:
   is refused RESOURCE_EXHAUSTED instead of sent, unless it is small (``SMALL_ANSWER_BYTES``):
   heartbeats, registrations and applies of callers that read are not refused because other
   callers do not read; a connection that holds unread answers is refused before any work
-  while the total is over.
+  while the total is over, and so is a call whose method's last answer would not fit (an
+  answer that will be refused is not built: building them kept the process's memory high).
 
 The bytes counted are the serialized answers; the process holds about four times as much for
 them (grpc keeps the Python bytes and its own copy until the answer left, and the allocator
@@ -50,6 +51,8 @@ class UnreadLedger:
         self.total = total
         self._by_peer: dict[str, int] = {}
         self._held = 0
+        #: the size of each method's last answer: an answer that will not be sent is not built
+        self._last_size: dict[str, int] = {}
 
     @property
     def held(self) -> int:
@@ -59,8 +62,13 @@ class UnreadLedger:
     def of(self, peer: str) -> int:
         return self._by_peer.get(peer, 0)
 
-    def refusal_before(self, peer: str) -> str | None:
-        """Why a new call of ``peer`` is refused before any work, or None."""
+    def refusal_before(self, peer: str, method: str = "") -> str | None:
+        """Why a new call of ``peer`` to ``method`` is refused before any work, or None."""
+        expected = self._last_size.get(method, 0)
+        if expected:
+            why = self.refusal_of(expected)
+            if why is not None:
+                return why.replace("an answer of", "an answer (as its last) of", 1)
         mine = self._by_peer.get(peer, 0)
         if mine > self.per_connection:
             return (f"this connection has {mine} bytes of answers it has not read, more than "
@@ -79,6 +87,10 @@ class UnreadLedger:
                     f"past SCHEDULER_GRPC_MAX_UNREAD_BYTES={self.total} "
                     f"({self._held} held); retry later")
         return None
+
+    def sized(self, method: str, size: int) -> None:
+        """``method`` answered ``size`` bytes (sent or refused)."""
+        self._last_size[method] = size
 
     def add(self, peer: str, size: int) -> None:
         self._by_peer[peer] = self._by_peer.get(peer, 0) + size
@@ -124,12 +136,13 @@ class UnreadAnswers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             peer = context.peer()
-            why = ledger.refusal_before(peer)
+            why = ledger.refusal_before(peer, method)
             if why is not None:
                 await self._refuse(method, context, why)
             response = await behavior(request, context)
             data = serialize(response) if serialize is not None else response
             size = len(data)
+            ledger.sized(method, size)
             why = ledger.refusal_of(size)
             if why is not None:
                 await self._refuse(method, context, why)
