@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from ops.devstack.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 JAEGER_MODULE = "github.com/jaegertracing/jaeger"
@@ -134,15 +135,19 @@ exporters:
 """
 
 
-class JaegerProcess:
-    """One Jaeger v2 process on loopback ports of its own."""
+class JaegerProcess(ServerProcess):
+    """One Jaeger v2 process on loopback ports of its own (spawned, stopped and killed as the
+    dev stack's servers are)."""
+
+    _kind = "jaeger"
 
     def __init__(self, binary: str) -> None:
-        self.binary = binary
+        super().__init__(binary, stop_timeout=10.0)
         self.otlp_port = 0
         self.query_port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path: Path | None = None
+
+    def _log_paths(self) -> tuple[Path, ...]:
+        return (self.data_dir / "jaeger.log",) if self.data_dir is not None else ()
 
     @property
     def otlp_endpoint(self) -> str:
@@ -163,21 +168,18 @@ class JaegerProcess:
         config = work_dir / "jaeger.yaml"
         config.write_text(config_yaml(otlp_port=self.otlp_port, query_port=self.query_port,
                                       query_grpc_port=grpc_port, health_port=health_port))
-        self.log_path = work_dir / "jaeger.log"
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([self.binary, f"--config=file:{config}"], cwd=work_dir,
-                                     stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        self.data_dir = work_dir
+        self._spawn([f"--config=file:{config}"], log_path=work_dir / "jaeger.log",
+                    env=dict(os.environ))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"jaeger exited: {self.log_path.read_text()[-4000:]}")
+            if self._exited_early():
+                raise RuntimeError(f"jaeger exited: {self.log_tail()}")
             if self._serving():
                 return self
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"jaeger did not start serving: {self.log_path.read_text()[-4000:]}")
+        raise RuntimeError(f"jaeger did not start serving: {self.log_tail()}")
 
     def _serving(self) -> bool:
         try:
@@ -214,15 +216,6 @@ class JaegerProcess:
             query += f"&operation={urllib.parse.quote(operation, safe='')}"
         return list(self._get(query).get("data") or [])
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-
 
 def main(argv: list[str]) -> int:
     if "--build" in argv:
@@ -237,7 +230,7 @@ def main(argv: list[str]) -> int:
         print(f"OTEL_EXPORTER_OTLP_ENDPOINT={proc.otlp_endpoint}  UI/API: {proc.query_url}",
               flush=True)
         try:
-            while proc.proc is not None and proc.proc.poll() is None:
+            while proc.is_running():
                 time.sleep(1)
         except KeyboardInterrupt:
             pass

@@ -436,8 +436,8 @@ class Stack:
             pids["etcd"] = self._etcd.pid
         if self._redis is not None and self._redis.pid is not None:
             pids["redis"] = self._redis.pid
-        if self._jaeger is not None and self._jaeger.proc is not None:
-            pids["jaeger"] = self._jaeger.proc.pid
+        if self._jaeger is not None and self._jaeger.pid is not None:
+            pids["jaeger"] = self._jaeger.pid
         pids["bench" if self.fleet is None else "bench+sim"] = os.getpid()
         return pids
 
