@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from handlers.api.grpcwrap import WrapCache, rewrap
+from handlers.api.grpcwrap import RebuildingInterceptor, rewrap
 from handlers.identity.authz import AGENT_METHODS, Caller, refuse_call
 
 log = logging.getLogger("persys.access")
@@ -26,7 +26,7 @@ def caller_of(context: grpc.aio.ServicerContext) -> Caller:
     return Caller.from_auth_context(context.auth_context())
 
 
-class AgentRoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class AgentRoleInterceptor(RebuildingInterceptor):
     """Answers ``PERMISSION_DENIED`` when a certificate may not call an AgentControl RPC
     (:func:`handlers.identity.authz.refuse_call`). Health and reflection stay open to every verified
     certificate."""
@@ -36,22 +36,15 @@ class AgentRoleInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._agent_names = agent_names
         self._operator_names = operator_names
         self._on_refusal = on_refusal
-        self._wrapped = WrapCache()
+        super().__init__()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        full: str = details.method
-        if handler is None or not full.startswith(CONTROL_SERVICE):
-            return handler
-        method = full[len(CONTROL_SERVICE):]
-        if method in AGENT_METHODS:
-            return handler
-        return self._wrapped.get(full, handler, lambda inner: rewrap(
-            inner, lambda behavior, streams: self._guard(method, behavior, streams)))
+    def wants(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        return (method.startswith(CONTROL_SERVICE)
+                and method[len(CONTROL_SERVICE):] not in AGENT_METHODS)
+
+    def rebuild(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        short = method[len(CONTROL_SERVICE):]
+        return rewrap(handler, lambda behavior, streams: self._guard(short, behavior, streams))
 
     async def _check(self, method: str, context: grpc.aio.ServicerContext) -> None:
         caller = caller_of(context)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from handlers.api.grpcwrap import WrapCache
+from handlers.api.grpcwrap import RebuildingInterceptor
 
 log = logging.getLogger("persys.api")
 
@@ -47,23 +47,15 @@ class RateLimitedLog:
         log.warning(message + " (%d more since the last such line)", *args, left_out)
 
 
-class RequestDecoding(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class RequestDecoding(RebuildingInterceptor):
     """Decodes single requests itself, so a malformed one is INVALID_ARGUMENT."""
 
     def __init__(self) -> None:
-        self._wrapped = WrapCache()
+        super().__init__()
         self.log = RateLimitedLog()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        method: str = details.method
-        return self._wrapped.get(method, handler, lambda inner: self._rebuild(method, inner))
+    def wants(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        return handler.request_deserializer is not None
 
     async def _decode(self, method: str, decode: Callable[[bytes], Any], raw: Any,
                       context: grpc.aio.ServicerContext) -> Any:
@@ -75,7 +67,7 @@ class RequestDecoding(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request: the body is not a valid {method} request message")
 
-    def _rebuild(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def rebuild(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         decode = handler.request_deserializer
         if handler.unary_unary is not None:
             behavior = handler.unary_unary

@@ -7,7 +7,7 @@ same (de)serializers; a copy per interceptor drifts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -56,3 +56,34 @@ class WrapCache:
         wrapped = make(handler)
         self._by_method[method] = (handler, wrapped)
         return wrapped
+
+
+class RebuildingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """A server interceptor that serves, for each method it ``wants``, the handler its
+    ``rebuild`` makes of the inner one (made once per method, ``WrapCache``).
+
+    Why a base: every interceptor that acts inside a call asks the inner interceptors for the
+    handler, leaves the ones it has no business with, and caches what it rebuilt; one copy of
+    those steps per interceptor drifts.
+    """
+
+    def __init__(self) -> None:
+        self._wrapped = WrapCache()
+
+    def wants(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        """Whether ``method``'s handler is rebuilt (by default every one)."""
+        return True
+
+    def rebuild(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method: str = details.method
+        if handler is None or not self.wants(method, handler):
+            return handler
+        return self._wrapped.get(method, handler, lambda inner: self.rebuild(method, inner))

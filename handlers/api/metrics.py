@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from prometheus_client import Counter, Histogram
 
 from handlers.agents.codes import go_code
-from handlers.api.grpcwrap import WrapCache, rewrap
+from handlers.api.grpcwrap import RebuildingInterceptor, rewrap
 
 _S = grpc.StatusCode
 
@@ -38,13 +38,13 @@ def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> 
     return go_code(_S.UNKNOWN)
 
 
-class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class ServerMetrics(RebuildingInterceptor):
     """Counts and times every RPC the server answers."""
 
     def __init__(self, requests: Counter, duration: Histogram) -> None:
         self._requests = requests
         self._duration = duration
-        self._wrapped = WrapCache()
+        super().__init__()
         # the metric children by (method, code), looked up once: bounded like the handlers
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
 
@@ -57,18 +57,9 @@ class ServerMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         children[0].inc()
         children[1].observe(time.perf_counter() - began)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        method: str = details.method
-        return self._wrapped.get(method, handler, lambda inner: rewrap(
-            inner, lambda behavior, streams: (
-                self._wrap_stream if streams else self._wrap_unary)(method, behavior)))
+    def rebuild(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        return rewrap(handler, lambda behavior, streams: (
+            self._wrap_stream if streams else self._wrap_unary)(method, behavior))
 
     def _wrap_unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -18,7 +18,7 @@ put on the span as well, since for the gRPC instrumentation such a call is a suc
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from eventsource import tracing
-from handlers.api.grpcwrap import WrapCache, rewrap
+from handlers.api.grpcwrap import RebuildingInterceptor, rewrap
 
 #: request field -> attribute (the Go names)
 REQUEST_FIELDS = (
@@ -46,27 +46,21 @@ def _plan(descriptor: Any) -> _Plan:
     return tuple((f, a) for f, a in REQUEST_FIELDS if f in names), "spec" in names
 
 
-class CallAttributes(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class CallAttributes(RebuildingInterceptor):
     """Sets the request's Go attributes on the current (server) span."""
 
     def __init__(self) -> None:
-        self._wrapped = WrapCache()
+        super().__init__()
         #: message full name -> the fields to read (looked up once per type)
         self._plans: dict[str, _Plan] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.request_streaming:
-            return handler
-        method: str = details.method
+    def wants(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        return not handler.request_streaming
+
+    def rebuild(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         name = method.lstrip("/")
-        return self._wrapped.get(method, handler, lambda inner: rewrap(
-            inner, lambda behavior, streams: (
-                self._wrap_stream if streams else self._wrap_unary)(name, behavior)))
+        return rewrap(handler, lambda behavior, streams: (
+            self._wrap_stream if streams else self._wrap_unary)(name, behavior))
 
     def annotate(self, name: str, request: Any) -> None:
         span = trace.get_current_span()

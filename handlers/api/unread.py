@@ -32,12 +32,12 @@ second encoding.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
-from handlers.api.grpcwrap import WrapCache
+from handlers.api.grpcwrap import RebuildingInterceptor
 
 #: answers up to this size are never refused for the total (a heartbeat answer is ~100 B)
 SMALL_ANSWER_BYTES = 64 * 1024
@@ -105,31 +105,23 @@ class UnreadLedger:
         self._held = max(0, self._held - size)
 
 
-class UnreadAnswers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class UnreadAnswers(RebuildingInterceptor):
     """Counts each unary answer until its call is done; refuses as ``UnreadLedger`` says."""
 
     def __init__(self, ledger: UnreadLedger, refused: Callable[[str], None] | None = None) -> None:
         self.ledger = ledger
         self._refused = refused
-        self._wrapped = WrapCache()
+        super().__init__()
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        method: str = details.method
-        return self._wrapped.get(method, handler, lambda inner: self._rebuild(method, inner))
+    def wants(self, method: str, handler: grpc.RpcMethodHandler) -> bool:
+        return handler.unary_unary is not None
 
     async def _refuse(self, method: str, context: grpc.aio.ServicerContext, why: str) -> None:
         if self._refused is not None:
             self._refused(method)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
 
-    def _rebuild(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def rebuild(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         behavior = handler.unary_unary
         serialize = handler.response_serializer
         ledger = self.ledger
