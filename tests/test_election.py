@@ -19,17 +19,11 @@ from eventsource.etcd import AsyncEtcd, Put
 from eventsource.keys import KeyLayout
 from eventsource.stream.clients import reraise_swallowed_cancel
 from handlers.cluster.topology import Topology, settle_topology
+from tests.fixtures.relay_fixtures import etcd
+
+__all__ = ["etcd"]  # fixtures
 
 TTL = 2
-
-
-@pytest.fixture
-async def etcd(etcd_server) -> AsyncIterator[AsyncEtcd]:
-    client = AsyncEtcd([etcd_server.url], timeout=3.0)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 @pytest.fixture

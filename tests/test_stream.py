@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
-import redis.asyncio as aioredis
 
 from eventsource.events import Event, entry_data
 from eventsource.stream.clients import writer_client
@@ -28,7 +27,10 @@ from eventsource.stream.eventlog import RedisEventLog
 from eventsource.stream.tailer import StreamTailer
 from handlers.api import events as events_api
 from proto.persys.control.v1 import control_pb2 as pb
+from tests.fixtures.relay_fixtures import log, writer
 from tests.fixtures.waiting import wait_for
+
+__all__ = ["log", "writer"]  # fixtures
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 NOW_MS = int(NOW.timestamp() * 1000)
@@ -60,23 +62,6 @@ def chain(ids: list[str], *, when: datetime = NOW) -> list[tuple[str, str]]:
         out.append((stream_id, make_data(stream_id, prev=prev, when=when)))
         prev = stream_id
     return out
-
-
-@pytest.fixture
-async def writer(redis_server) -> AsyncIterator[aioredis.Redis]:
-    client = writer_client(redis_server.url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
-@pytest.fixture
-async def log(writer, stream_key) -> AsyncIterator[RedisEventLog]:
-    try:
-        yield RedisEventLog(writer, stream_key)
-    finally:
-        await writer.delete(stream_key)
 
 
 async def test_append_batch_twice_leaves_no_duplicates(log: RedisEventLog) -> None:
