@@ -38,6 +38,7 @@ from handlers.settings.config import Settings, load_settings
 from handlers.settings.reader import ConfigError
 from proto.persys.control.v1 import control_pb2 as pb
 from tests.fixtures.harness import control_stub, make_settings, running_scheduler, serving_fleet
+from tests.fixtures.relay import everything
 from tests.fixtures.sentinel import MASTER_NAME, SentinelGroup
 from tests.fixtures.waiting import wait_for
 
@@ -134,17 +135,6 @@ async def _master_log(group: SentinelGroup, stream_key: str) -> AsyncIterator[Re
     finally:
         await client.aclose()
         await watch.aclose()
-
-
-async def _everything(log: RedisEventLog) -> list[Any]:
-    out: list[Any] = []
-    after: str | None = None
-    while True:
-        page = await log.range(after, 1000)
-        if not page:
-            return out
-        out.extend(page)
-        after = page[-1].stream_id
 
 
 def _sample(scheduler: Scheduler, name: str, labels: dict[str, str] | None = None) -> float:
@@ -286,7 +276,7 @@ async def _changes_across_a_failover(
         # usage telemetry followed too: the node's heartbeat time is written to the new master
         heartbeat_key = f"{heartbeat_key_prefix(key_root)}{node}"
         async with _master_log(group, stream_key) as log:
-            entries = await _everything(log)
+            entries = await everything(log)
             client = log._client
 
             async def beat_after_failover() -> bool:
@@ -510,7 +500,7 @@ async def _master_dies_with_unreplicated_events(
                                        for w in (watcher, resumer)),
                            timeout=60, message="the last change delivered")
         async with _master_log(group, stream_key) as log:
-            entries = await _everything(log)
+            entries = await everything(log)
         return LossWindow(entries=entries, watcher=watcher, resumer=resumer,
                           unreplicated=values[before:before + window], expected=values,
                           reappended=_sample(sched, "events_reappended_total"))
