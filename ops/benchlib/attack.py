@@ -309,15 +309,14 @@ class _WindowCaller:
         try:
             while data := await reader.read(65536):
                 for f in frames.feed(data):
-                    if f.kind == h2raw.SETTINGS and not f.flags & h2raw.ACK:
-                        writer.write(h2raw.frame(h2raw.SETTINGS, h2raw.ACK, 0))
-                    elif f.kind == h2raw.PING and not f.flags & h2raw.ACK:
-                        self.pings += 1
-                        writer.write(h2raw.frame(h2raw.PING, h2raw.ACK, 0, f.payload))
+                    if ack := h2raw.ack_of(f):
+                        if f.kind == h2raw.PING:
+                            self.pings += 1
+                        writer.write(ack)
                     elif f.kind == h2raw.GOAWAY:
                         self.goaways.append(h2raw.goaway_fields(f.payload))
                     elif f.kind == h2raw.RST_STREAM:
-                        self.resets[f.stream_id] = int.from_bytes(f.payload[:4], "big")
+                        self.resets[f.stream_id] = h2raw.rst_code(f)
                     elif f.kind == h2raw.DATA:
                         # never a WINDOW_UPDATE: the server's 65,535 bytes are all it may send
                         self.data_bytes += len(f.payload)
@@ -473,15 +472,13 @@ async def _resets(ctx: BenchContext, out: Outcome, size: int, until: float) -> N
         try:
             while data := await reader.read(65536):
                 for f in frames.feed(data):
-                    if f.kind == h2raw.SETTINGS and not f.flags & h2raw.ACK:
-                        writer.write(h2raw.frame(h2raw.SETTINGS, h2raw.ACK, 0))
-                    elif f.kind == h2raw.PING and not f.flags & h2raw.ACK:
-                        writer.write(h2raw.frame(h2raw.PING, h2raw.ACK, 0, f.payload))
+                    if ack := h2raw.ack_of(f):
+                        writer.write(ack)
                     elif f.kind == h2raw.GOAWAY:
                         last, code = h2raw.goaway_fields(f.payload)
                         goaway.append((sent, last, code))
                     elif f.kind == h2raw.RST_STREAM:
-                        rst_codes[int.from_bytes(f.payload[:4], "big")] += 1
+                        rst_codes[h2raw.rst_code(f)] += 1
                     elif f.kind == h2raw.HEADERS:
                         answered += 1
         except OSError:

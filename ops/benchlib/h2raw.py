@@ -121,6 +121,22 @@ class FrameReader:
         return frames
 
 
+def ack_of(f: Frame) -> bytes:
+    """What a client owes the server for ``f``: the ACK of a SETTINGS or a PING (else b"")."""
+    if f.flags & ACK:
+        return b""
+    if f.kind == SETTINGS:
+        return frame(SETTINGS, ACK, 0)
+    if f.kind == PING:
+        return frame(PING, ACK, 0, f.payload)
+    return b""
+
+
+def rst_code(f: Frame) -> int:
+    """The error code of a RST_STREAM frame."""
+    return int.from_bytes(f.payload[:4], "big")
+
+
 def goaway_fields(payload: bytes) -> tuple[int, int]:
     """(last stream id, error code) of a GOAWAY payload."""
     last, code = struct.unpack(">II", payload[:8])
