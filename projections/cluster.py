@@ -308,9 +308,19 @@ class ClusterProjection:
     async def wait_for(
         self, revision: int, *, timeout: float = 5.0, which: Iterable[str] = ()
     ) -> None:
-        """Wait until the named projections (all by default) reflect ``revision``."""
-        targets = [p for p in self.projections if not which or p.name in which]
-        await asyncio.gather(*(p.wait_for_revision(revision, timeout) for p in targets))
+        """Wait until the named projections (all by default) reflect ``revision``.
+
+        One after another within one deadline, not gathered: the projections share one watch
+        feed, so once the first shows the revision the others almost always do too, and a
+        gather would cost a task per projection on every call (each command answer waits
+        here)."""
+        wanted = frozenset(which)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for p in self.projections:
+            if (wanted and p.name not in wanted) or p.revision >= revision:
+                continue
+            await p.wait_for_revision(revision, max(deadline - loop.time(), 0.0))
 
     def workload_ids_on(self, node_id: str) -> set[str]:
         return set(self.workloads.by_node.get(node_id, ()))
